@@ -1,0 +1,108 @@
+"""Loads the target (and optional draft) model once and records who owns it.
+
+One model instance is shared by every engine. Only the owner may run a forward
+pass; ownership moves only at a step boundary, on the engine thread. Engines call
+`check_owner` before each forward, so a violation fails loudly instead of two
+engines silently interleaving work on one KV-cache-carrying model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from engines.errors import DraftIncompatible
+
+log = logging.getLogger(__name__)
+
+_CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_ctx", "seq_length")
+
+
+@dataclass
+class LoadedModel:
+    path: str
+    model: Any  # mlx.nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    config: dict
+
+    @property
+    def context_length(self) -> int | None:
+        for key in _CONTEXT_KEYS:
+            value = self.config.get(key) or self.config.get("text_config", {}).get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        size = self.config.get("vocab_size") or self.config.get("text_config", {}).get(
+            "vocab_size"
+        )
+        return int(size) if size else len(self.tokenizer)
+
+
+def load_model(path: str) -> LoadedModel:
+    """Load through `mlx_lm.load`, exactly as users of mlx-lm would."""
+    from mlx_lm import load
+
+    model, tokenizer, config = load(path, return_config=True)
+    return LoadedModel(path=path, model=model, tokenizer=tokenizer, config=config)
+
+
+def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft that cannot speak the target's tokens."""
+    target_vocab, draft_vocab = len(target.tokenizer), len(draft.tokenizer)
+    if target_vocab != draft_vocab:
+        raise DraftIncompatible(
+            f"draft model {draft.path!r} has a tokenizer with {draft_vocab} tokens but the "
+            f"target {target.path!r} has {target_vocab}; they must share one tokenizer"
+        )
+    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise DraftIncompatible(
+            f"draft model {draft.path!r} and target {target.path!r} both have {target_vocab} "
+            "tokens, but their vocabularies map tokens to different ids"
+        )
+    if draft.vocab_size < target_vocab:
+        raise DraftIncompatible(
+            f"draft model {draft.path!r} outputs {draft.vocab_size} logits, fewer than the "
+            f"{target_vocab} tokens of the shared tokenizer (target outputs {target.vocab_size})"
+        )
+
+
+class OwnershipError(RuntimeError):
+    """An engine tried to run the model without owning it."""
+
+
+class ModelRegistry:
+    """The shared target/draft models and the record of which engine owns them."""
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None) -> None:
+        if draft is not None:
+            check_draft_compatible(target, draft)
+        self.target = target
+        self.draft = draft
+        self.owner: str | None = None
+
+    @classmethod
+    def load(cls, target_path: str, draft_path: str | None = None) -> ModelRegistry:
+        target = load_model(target_path)
+        draft = load_model(draft_path) if draft_path else None
+        return cls(target, draft)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.target.tokenizer
+
+    def transfer(self, engine_name: str) -> str | None:
+        """Give the model to `engine_name`; returns the previous owner."""
+        previous, self.owner = self.owner, engine_name
+        if previous != engine_name:
+            log.debug("model ownership %s -> %s", previous, engine_name)
+        return previous
+
+    def check_owner(self, engine_name: str) -> None:
+        if self.owner != engine_name:
+            raise OwnershipError(
+                f"engine {engine_name!r} tried to run the model while {self.owner!r} owns it"
+            )

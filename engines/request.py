@@ -1,0 +1,50 @@
+"""What a client asks for, in engine terms: token ids and sampling settings.
+
+The server builds these from any API surface; the scheduler and engines never see
+JSON. Both dataclasses are frozen so a request can be shared across threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. temperature == 0 means greedy (argmax)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpeculationOverrides:
+    """Per-request switches for the speculative engine; None means server default."""
+
+    enable_pld: bool | None = None
+    enable_draft: bool | None = None
+    num_draft_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation job: prompt token ids, sampling, limits and stop conditions."""
+
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    speculation: SpeculationOverrides = field(default_factory=SpeculationOverrides)

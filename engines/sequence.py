@@ -1,0 +1,98 @@
+"""A request's whole engine-side state in one object, as in nano-vllm.
+
+`commit()` is the single place where a generated token becomes part of the output:
+it applies EOS, `max_tokens` and text stop sequences, so every engine honours them
+identically, token by token, even in the middle of a multi-token speculative run.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.request import GenerationRequest
+from engines.sampling import RandomStream
+from engines.stopping import StopMatcher
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop sequence
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"  # client went away or the server aborted the request
+    ERROR = "error"
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced for one sequence."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    matched_stop: str | None = None
+
+
+@dataclass
+class Sequence:
+    request: GenerationRequest
+    eos_token_ids: frozenset[int]
+    detokenizer: Any  # mlx-lm StreamingDetokenizer, one per sequence
+    rng: RandomStream
+    stop: StopMatcher = field(init=False)
+    generated: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    matched_stop: str | None = None
+
+    def __post_init__(self) -> None:
+        self.stop = StopMatcher(self.request.stop)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return [*self.request.prompt_tokens, *self.generated]
+
+    def commit(self, token: int) -> str:
+        """Append one generated token; return the text it releases to the client."""
+        assert not self.finished, "commit after finish"
+        self.generated.append(token)
+        if token in self.eos_token_ids and not self.request.ignore_eos:
+            return self._finish(FinishReason.STOP)
+        self.detokenizer.add_token(token)
+        text, matched = self.stop.feed(self.detokenizer.last_segment)
+        if matched is not None:
+            self.matched_stop = matched
+            self.finish_reason = FinishReason.STOP
+            return text
+        if len(self.generated) >= self.request.max_tokens:
+            return text + self._finish(FinishReason.LENGTH)
+        return text
+
+    def _finish(self, reason: FinishReason) -> str:
+        """Flush the detokenizer and held-back text; a late stop match still wins."""
+        self.detokenizer.finalize()
+        text, matched = self.stop.feed(self.detokenizer.last_segment)
+        if matched is not None:
+            self.matched_stop = matched
+            self.finish_reason = FinishReason.STOP
+            return text
+        self.finish_reason = reason
+        return text + self.stop.flush()
+
+
+def make_sequence(request: GenerationRequest, tokenizer: Any) -> Sequence:
+    """Fresh engine-side state for a request: own detokenizer, own RNG, no tokens yet."""
+    return Sequence(
+        request=request,
+        eos_token_ids=frozenset(tokenizer.eos_token_ids),
+        detokenizer=tokenizer.detokenizer,
+        rng=RandomStream.from_seed(request.sampling.seed),
+    )

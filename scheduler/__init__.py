@@ -1,0 +1,14 @@
+"""The async scheduler: admission, the engine thread, request streams."""
+
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import ModelInfo, Scheduler, SchedulerState
+from scheduler.stream import RequestStream, TokenEvent
+
+__all__ = [
+    "ModelInfo",
+    "RequestStream",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerState",
+    "TokenEvent",
+]

@@ -1,0 +1,15 @@
+"""Scheduler settings: one frozen dataclass built by the CLI and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    model: str
+    draft_model: str | None = None
+    num_draft_tokens: int = 4
+    enable_pld: bool = True
+    max_queue: int = 256  # requests waiting beyond the running ones; more get QueueFull
+    prefill_step_size: int = 2048

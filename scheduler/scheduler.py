@@ -1,0 +1,313 @@
+"""The async scheduler: one engine thread owns all MLX work; asyncio talks to it.
+
+Threading rule: MLX runs only on `_engine_thread`. The asyncio side puts commands
+in `_inbox` under `_wakeup` (a Condition) and receives events through each
+request's `RequestStream` via `loop.call_soon_threadsafe`. The engine thread loop
+is `_run`: drain the inbox, admit waiting requests, run one engine step, publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from engines.errors import ContextTooLong, InvalidRequest, QueueFull, ServerNotReady
+from engines.plain import PlainEngine
+from engines.registry import ModelRegistry
+from engines.request import GenerationRequest
+from engines.sequence import FinishReason, Sequence, StepOutput, make_sequence
+from scheduler.config import SchedulerConfig
+from scheduler.stream import RequestStream, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerState(str, enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the server needs to know about the loaded model (no MLX arrays)."""
+
+    path: str
+    tokenizer: Any
+    context_length: int | None
+    has_draft: bool
+
+
+@dataclass
+class _Tracked:
+    """Scheduler bookkeeping for one request, owned by the engine thread."""
+
+    request: GenerationRequest
+    stream: RequestStream
+    loop: asyncio.AbstractEventLoop
+    arrived: float
+    seq: Sequence | None = None
+    admitted: float | None = None
+    first_token: float | None = None
+    completion_tokens: int = 0
+
+
+@dataclass
+class _Command:
+    kind: str  # "submit" | "cancel"
+    request_id: str
+    tracked: _Tracked | None = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.state = SchedulerState.LOADING
+        self.error: str | None = None
+        self.model_info: ModelInfo | None = None
+        self.registry: ModelRegistry | None = None
+        self._inbox: deque[_Command] = deque()
+        self._wakeup = threading.Condition()
+        self._stopping = False
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._outstanding = 0  # submitted and not yet finished; touched on the loop only
+        # Engine-thread state:
+        self._waiting: deque[_Tracked] = deque()
+        self._running: dict[str, _Tracked] = {}
+        self._engine: PlainEngine | None = None
+
+    # ---- asyncio side -------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        ready = await asyncio.to_thread(self._ready.wait, timeout)
+        if not ready or self.state != SchedulerState.READY:
+            raise ServerNotReady(self.error or "model is still loading")
+
+    @property
+    def num_outstanding(self) -> int:
+        return self._outstanding
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Admit a request and return its event stream (call on the event loop)."""
+        if self.state != SchedulerState.READY or self._stopping:
+            raise ServerNotReady(self.error or f"server is {self.state.value}")
+        self._validate(request)
+        if self._outstanding >= self.config.max_queue + 1:
+            raise QueueFull(f"{self._outstanding} requests in flight; retry shortly")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request.request_id, self.cancel)
+        tracked = _Tracked(request, stream, loop, arrived=time.monotonic())
+        self._outstanding += 1
+        self._send(_Command("submit", request.request_id, tracked))
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        self._send(_Command("cancel", request_id))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; in-flight requests end as cancelled."""
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.state = SchedulerState.STOPPED
+
+    def _validate(self, request: GenerationRequest) -> None:
+        info = self.model_info
+        if not request.prompt_tokens:
+            raise InvalidRequest("the prompt is empty")
+        if request.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1")
+        context = info.context_length if info else None
+        if context is not None and len(request.prompt_tokens) + request.max_tokens > context:
+            raise ContextTooLong(
+                f"this model's context is {context} tokens; the prompt has "
+                f"{len(request.prompt_tokens)} and max_tokens asks for {request.max_tokens} more"
+            )
+
+    def _send(self, command: _Command) -> None:
+        with self._wakeup:
+            self._inbox.append(command)
+            self._wakeup.notify()
+
+    def _deliver(self, tracked: _Tracked, event: TokenEvent) -> None:
+        def put() -> None:
+            if event.final:
+                self._outstanding -= 1
+            tracked.stream.put(event)
+
+        try:
+            tracked.loop.call_soon_threadsafe(put)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    # ---- engine thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except Exception as exc:  # noqa: BLE001 - any load failure is reported, not raised
+            log.exception("model load failed")
+            self.error = f"model load failed: {exc}"
+            self.state = SchedulerState.FAILED
+            self._ready.set()
+            return
+        self.state = SchedulerState.READY
+        self._ready.set()
+        while True:
+            commands = self._wait_for_work()
+            if commands is None:
+                break
+            self._apply(commands)
+            self._admit()
+            self._step()
+        self._abort_all("server is shutting down")
+
+    def _load(self) -> None:
+        config = self.config
+        log.info("loading model %s", config.model)
+        registry = ModelRegistry.load(config.model, config.draft_model)
+        self.registry = registry
+        self._engine = PlainEngine(registry, prefill_step_size=config.prefill_step_size)
+        registry.transfer(self._engine.name)
+        self.model_info = ModelInfo(
+            path=config.model,
+            tokenizer=registry.tokenizer,
+            context_length=registry.target.context_length,
+            has_draft=registry.draft is not None,
+        )
+
+    def _wait_for_work(self) -> list[_Command] | None:
+        with self._wakeup:
+            while not self._inbox and not self._has_work() and not self._stopping:
+                self._wakeup.wait()
+            if self._stopping:
+                return None
+            commands = list(self._inbox)
+            self._inbox.clear()
+            return commands
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def _apply(self, commands: list[_Command]) -> None:
+        for command in commands:
+            if command.kind == "submit":
+                self._waiting.append(command.tracked)
+            elif command.kind == "cancel":
+                self._cancel(command.request_id)
+
+    def _cancel(self, request_id: str) -> None:
+        tracked = self._running.pop(request_id, None)
+        if tracked is not None:
+            self._engine.cancel(request_id)
+        else:
+            tracked = next((t for t in self._waiting if t.request.request_id == request_id), None)
+            if tracked is None:
+                return  # already finished
+            self._waiting.remove(tracked)
+        log.info("request %s cancelled", request_id)
+        self._finish(tracked, FinishReason.CANCELLED)
+
+    def _admit(self) -> None:
+        engine = self._engine
+        while self._waiting and engine.has_capacity:
+            tracked = self._waiting.popleft()
+            tracked.admitted = time.monotonic()
+            try:
+                tracked.seq = make_sequence(tracked.request, self.registry.tokenizer)
+                engine.add(tracked.seq)
+            except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
+                log.exception("request %s could not start", tracked.request.request_id)
+                self._finish(tracked, FinishReason.ERROR, error=str(exc))
+                continue
+            self._running[tracked.request.request_id] = tracked
+
+    def _step(self) -> None:
+        if not self._running:
+            return
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the requests in this step, keep serving
+            log.exception("engine step failed")
+            for request_id in list(self._running):
+                self._engine.cancel(request_id)
+                self._finish(self._running.pop(request_id), FinishReason.ERROR, error=str(exc))
+            return
+        for output in outputs:
+            self._publish(output)
+
+    def _publish(self, output: StepOutput) -> None:
+        tracked = self._running.get(output.request_id)
+        if tracked is None:
+            return
+        now = time.monotonic()
+        if tracked.first_token is None and output.token_ids:
+            tracked.first_token = now
+        tracked.completion_tokens += len(output.token_ids)
+        if output.finish_reason is not None:
+            del self._running[output.request_id]
+            self._finish(tracked, output.finish_reason, output=output)
+            return
+        self._deliver(tracked, self._event(tracked, output.token_ids, output.text))
+
+    def _finish(
+        self,
+        tracked: _Tracked,
+        reason: FinishReason,
+        output: StepOutput | None = None,
+        error: str | None = None,
+    ) -> None:
+        event = self._event(
+            tracked,
+            output.token_ids if output else [],
+            output.text if output else "",
+            finish_reason=reason,
+            matched_stop=output.matched_stop if output else None,
+            error=error,
+        )
+        event.timings = self._timings(tracked)
+        self._deliver(tracked, event)
+
+    def _event(self, tracked: _Tracked, token_ids: list[int], text: str, **kw: Any) -> TokenEvent:
+        return TokenEvent(
+            request_id=tracked.request.request_id,
+            token_ids=token_ids,
+            text=text,
+            prompt_tokens=len(tracked.request.prompt_tokens),
+            completion_tokens=tracked.completion_tokens,
+            **kw,
+        )
+
+    @staticmethod
+    def _timings(tracked: _Tracked) -> dict[str, float]:
+        now = time.monotonic()
+        timings = {"e2e_s": now - tracked.arrived}
+        if tracked.admitted is not None:
+            timings["queue_s"] = tracked.admitted - tracked.arrived
+        if tracked.first_token is not None:
+            timings["ttft_s"] = tracked.first_token - tracked.arrived
+        return timings
+
+    def _abort_all(self, reason: str) -> None:
+        for tracked in [*self._running.values(), *self._waiting]:
+            self._finish(tracked, FinishReason.CANCELLED, error=reason)
+        self._running.clear()
+        self._waiting.clear()

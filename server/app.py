@@ -1,0 +1,108 @@
+"""The Starlette application: a list of routes, error handlers, and the lifespan
+that starts and stops the scheduler's engine thread."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from engines.errors import TandemError
+from scheduler import Scheduler, SchedulerState
+from server.auth import ApiKeyMiddleware
+from server.chat import create_chat_completion
+from server.completions import create_completion
+from server.config import ServerConfig
+from server.errors import ApiError, from_tandem_error, openai_error_response
+
+log = logging.getLogger(__name__)
+
+
+async def health(request: Request) -> JSONResponse:
+    scheduler: Scheduler = request.app.state.scheduler
+    state = scheduler.state
+    body = {"status": "ok" if state == SchedulerState.READY else state.value}
+    if scheduler.error:
+        body["error"] = scheduler.error
+    return JSONResponse(body, status_code=200 if state == SchedulerState.READY else 503)
+
+
+async def list_models(request: Request) -> JSONResponse:
+    config: ServerConfig = request.app.state.config
+    info = request.app.state.scheduler.model_info
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.served_model_name,
+                    "object": "model",
+                    "created": request.app.state.started,
+                    "owned_by": "tandem",
+                    "root": config.scheduler.model,
+                    "max_model_len": info.context_length if info else None,
+                }
+            ],
+        }
+    )
+
+
+async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+    return openai_error_response(exc)
+
+
+async def on_tandem_error(request: Request, exc: Exception) -> JSONResponse:
+    return openai_error_response(from_tandem_error(exc))
+
+
+async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return openai_error_response(ApiError(exc.status_code, str(exc.detail), kind))
+
+
+async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s", request.url.path)
+    return openai_error_response(ApiError(500, "internal server error", "server_error"))
+
+
+def create_app(config: ServerConfig, scheduler: Scheduler | None = None) -> Starlette:
+    """Build the app. The scheduler is started by the lifespan unless already running."""
+    scheduler = scheduler or Scheduler(config.scheduler)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        owns_scheduler = not scheduler.started
+        if owns_scheduler:
+            scheduler.start()
+        yield
+        if owns_scheduler:
+            scheduler.stop()
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/completions", create_completion, methods=["POST"]),
+        Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(ApiKeyMiddleware, keys=config.api_keys)],
+        exception_handlers={
+            ApiError: on_api_error,
+            TandemError: on_tandem_error,
+            HTTPException: on_http_error,
+            Exception: on_unexpected_error,
+        },
+        lifespan=lifespan,
+    )
+    app.state.config = config
+    app.state.scheduler = scheduler
+    app.state.started = int(time.time())
+    return app

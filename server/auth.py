@@ -1,0 +1,48 @@
+"""API-key check as a small ASGI middleware (streaming-safe, unlike BaseHTTPMiddleware).
+
+Keys arrive as `Authorization: Bearer KEY` (OpenAI) or `x-api-key: KEY` (Anthropic)
+and are compared in constant time. `/health` stays open for supervisors.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server.errors import ApiError, openai_error_response
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+def presented_key(headers: dict[bytes, bytes]) -> str | None:
+    auth = headers.get(b"authorization", b"").decode("latin-1")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    key = headers.get(b"x-api-key")
+    return key.decode("latin-1").strip() if key else None
+
+
+def key_is_valid(presented: str | None, keys: tuple[str, ...]) -> bool:
+    if presented is None:
+        return False
+    given = presented.encode()
+    # Compare against every key so timing does not reveal which one matched.
+    return any([hmac.compare_digest(given, key.encode()) for key in keys])
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if key_is_valid(presented_key(dict(scope["headers"])), self.keys):
+            await self.app(scope, receive, send)
+            return
+        error = ApiError(401, "missing or invalid API key", "authentication_error",
+                         code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await openai_error_response(error)(scope, receive, send)

@@ -1,0 +1,145 @@
+"""The `tandem` command: `tandem serve MODEL | --demo`.
+
+Parsing builds one frozen `ServerConfig`; nothing below the CLI reads argv or env.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from server.blas_preload import ensure_fast_blas
+
+log = logging.getLogger("tandem")
+
+DEMO_MODEL_NAME = "tandem-demo"
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", help="local mlx-lm model directory or hub id")
+    parser.add_argument(
+        "--demo", action="store_true",
+        help="serve a tiny random-weight demo model built offline (output is gibberish)",
+    )
+    parser.add_argument("--draft-model", help="draft model (path or hub id) for speculation")
+    parser.add_argument("--num-draft-tokens", type=int, default=4, help="draft length k")
+    parser.add_argument("--no-pld", action="store_true", help="disable prompt-lookup decoding")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key", action="append", default=[],
+        help="require this key (Bearer or x-api-key); repeat for several keys",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=4096,
+        help="largest max_tokens a request may ask for (also the default)",
+    )
+    parser.add_argument("--max-queue", type=int, default=256, help="bound on waiting requests")
+    parser.add_argument("--served-model-name", help="model id clients use (default: dir name)")
+    parser.add_argument(
+        "--no-blas-preload", action="store_true",
+        help="Linux CPU: do not re-exec with OpenBLAS/MKL preloaded (env TANDEM_NO_BLAS_PRELOAD=1)",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_arguments(commands.add_parser("serve", help="run the HTTP server"))
+    return parser
+
+
+def unimplemented_flags(args: argparse.Namespace) -> list[str]:
+    """Flags that parse but whose feature has not landed yet: said loudly at startup."""
+    notes = []
+    if args.draft_model:
+        notes.append("--draft-model: the draft is loaded and checked, but speculative decoding "
+                     "is not implemented yet; serving with plain decoding")
+    if args.num_draft_tokens != 4:
+        notes.append("--num-draft-tokens: speculative decoding is not implemented yet")
+    if args.no_pld:
+        notes.append("--no-pld: prompt-lookup decoding is not implemented yet (nothing to disable)")
+    return notes
+
+
+def build_config(args: argparse.Namespace):
+    from scheduler.config import SchedulerConfig
+    from server.config import ServerConfig
+
+    if args.demo:
+        from engines.demo import build_tiny_model, default_demo_dir
+
+        model_path = str(build_tiny_model(default_demo_dir()))
+        name = args.served_model_name or DEMO_MODEL_NAME
+    elif args.model:
+        model_path = args.model
+        name = args.served_model_name or Path(args.model.rstrip("/")).name
+    else:
+        raise SystemExit("tandem serve: give a MODEL (path or hub id) or --demo")
+    keys = tuple(k for k in args.api_key if k)
+    return ServerConfig(
+        scheduler=SchedulerConfig(
+            model=model_path,
+            draft_model=args.draft_model,
+            num_draft_tokens=args.num_draft_tokens,
+            enable_pld=not args.no_pld,
+            max_queue=args.max_queue,
+        ),
+        served_model_name=name,
+        host=args.host,
+        port=args.port,
+        api_keys=keys,
+        max_tokens=args.max_tokens,
+        demo=args.demo,
+        unimplemented_flags=tuple(unimplemented_flags(args)),
+    )
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from engines.blas import describe_blas
+    from server.app import create_app
+
+    config = build_config(args)
+    log.info("compute: %s, BLAS: %s", _device_name(), describe_blas())
+    if config.demo:
+        log.warning("demo model: tiny random weights at %s; its output is gibberish",
+                    config.scheduler.model)
+    for note in config.unimplemented_flags:
+        log.warning("%s", note)
+    if not config.api_keys:
+        log.info("no --api-key given: requests are not authenticated")
+    log.info("serving %s as '%s' on http://%s:%d",
+             config.scheduler.model, config.served_model_name, config.host, config.port)
+    uvicorn.run(create_app(config), host=config.host, port=config.port,
+                log_level=args.log_level, timeout_graceful_shutdown=5)
+
+
+def _device_name() -> str:
+    import mlx.core as mx
+
+    return str(mx.default_device())
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.command == "serve":
+        if not (args.no_blas_preload or os.environ.get("TANDEM_NO_BLAS_PRELOAD")):
+            ensure_fast_blas()
+        serve(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""Server settings: one frozen dataclass built from the CLI and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.config import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    scheduler: SchedulerConfig
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    max_tokens: int = 4096  # cap on (and default for) tokens generated per request
+    demo: bool = False
+    unimplemented_flags: tuple[str, ...] = field(default=())

@@ -1,0 +1,87 @@
+"""Shared translation from OpenAI request fields to a `GenerationRequest`.
+
+Pure functions: they take the parsed request and model facts and return engine
+terms, so each surface's module stays about wire format only.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
+from server.errors import bad_request
+from server.schemas import SamplingFields
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > 16:
+        raise bad_request("at most 16 stop sequences are supported", "stop")
+    return tuple(s for s in stops if s)
+
+
+def sampling_params(body: SamplingFields, vocab_size: int) -> SamplingParams:
+    bias = ()
+    if body.logit_bias:
+        try:
+            bias = tuple((int(k), float(v)) for k, v in body.logit_bias.items())
+        except ValueError as exc:
+            raise bad_request("logit_bias keys must be token ids", "logit_bias") from exc
+        if any(not 0 <= k < vocab_size for k, _ in bias):
+            raise bad_request(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(0, body.top_k or 0),
+        min_p=body.min_p or 0.0,
+        seed=body.seed,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty or None,
+        frequency_penalty=body.frequency_penalty or None,
+        logit_bias=bias,
+    )
+
+
+def effective_max_tokens(
+    requested: int | None, prompt_len: int, context: int | None, server_cap: int
+) -> int:
+    """Requested tokens, or as many as fit; asking beyond the server cap is a 400."""
+    if requested is not None:
+        if requested > server_cap:
+            raise bad_request(
+                f"max_tokens is {requested}, above this server's limit of {server_cap}",
+                "max_tokens",
+            )
+        return requested
+    room = server_cap if context is None else min(server_cap, context - prompt_len)
+    return max(room, 1)
+
+
+def build_request(
+    request_id: str,
+    body: SamplingFields,
+    prompt_ids: list[int],
+    max_tokens: int,
+    vocab_size: int,
+) -> GenerationRequest:
+    if body.n != 1:
+        raise bad_request("n > 1 is not supported; send separate requests", "n")
+    return GenerationRequest(
+        request_id=request_id,
+        prompt_tokens=tuple(prompt_ids),
+        max_tokens=max_tokens,
+        sampling=sampling_params(body, vocab_size),
+        stop=stop_strings(body.stop),
+        ignore_eos=body.ignore_eos,
+        speculation=SpeculationOverrides(
+            enable_pld=body.enable_pld,
+            enable_draft=body.enable_draft,
+            num_draft_tokens=body.num_draft_tokens,
+        ),
+    )

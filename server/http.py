@@ -1,0 +1,87 @@
+"""Request plumbing shared by every API surface: body parsing, model lookup,
+running a generation to completion while watching for the client to leave."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+import anyio
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from scheduler import RequestStream, Scheduler, TokenEvent
+from server.config import ServerConfig
+from server.errors import ApiError, bad_request
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def parse_body(request: Request, model: type[Body]) -> Body:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from exc
+
+
+def check_model(config: ServerConfig, requested: str | None) -> str:
+    name = config.served_model_name
+    if requested and requested != name:
+        raise ApiError(
+            404,
+            f"model '{requested}' does not exist; this server serves '{name}'",
+            "invalid_request_error",
+            param="model",
+            code="model_not_found",
+        )
+    return name
+
+
+def scheduler_of(request: Request) -> Scheduler:
+    return request.app.state.scheduler
+
+
+def config_of(request: Request) -> ServerConfig:
+    return request.app.state.config
+
+
+async def collect_unless_disconnected(
+    request: Request, stream: RequestStream
+) -> list[TokenEvent] | None:
+    """All of a request's events, or None if the client disconnected first
+    (in which case the request is cancelled and its engine slot freed)."""
+    events: list[TokenEvent] | None = None
+
+    async with anyio.create_task_group() as group:
+
+        async def watch_disconnect() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            stream.cancel()
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch_disconnect)
+        try:
+            events = await stream.collect()
+        finally:
+            group.cancel_scope.cancel()
+    return events
+
+
+async def events_until_done(stream: RequestStream) -> AsyncIterator[TokenEvent]:
+    """Iterate a stream; leaving early (disconnect, error) cancels the request."""
+    try:
+        async for event in stream:
+            yield event
+    finally:
+        stream.cancel()

@@ -36,9 +36,7 @@ class LoadedModel:
 
     @property
     def vocab_size(self) -> int:
-        size = self.config.get("vocab_size") or self.config.get("text_config", {}).get(
-            "vocab_size"
-        )
+        size = self.config.get("vocab_size") or self.config.get("text_config", {}).get("vocab_size")
         return int(size) if size else len(self.tokenizer)
 
 

@@ -23,7 +23,6 @@ from mlx_lm.sample_utils import (
 from engines.request import SamplingParams
 
 
-
 def make_token_processors(params: SamplingParams) -> list:
     """Penalties and logit bias: the processors that depend on previous tokens."""
     return make_logits_processors(

@@ -43,6 +43,11 @@ class ApiKeyMiddleware:
         if key_is_valid(presented_key(dict(scope["headers"])), self.keys):
             await self.app(scope, receive, send)
             return
-        error = ApiError(401, "missing or invalid API key", "authentication_error",
-                         code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        error = ApiError(
+            401,
+            "missing or invalid API key",
+            "authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
         await openai_error_response(error)(scope, receive, send)

@@ -29,13 +29,17 @@ def ensure_fast_blas() -> None:
             log.info("fast BLAS loaded: %s", loaded)
         return
     if os.environ.get(REEXEC_MARKER):
-        log.warning("preloading %s did not take effect; MLX matmuls are ~40x slower. Fix: %s",
-                    os.environ.get("LD_PRELOAD"), FIX_HINT)
+        log.warning(
+            "preloading %s did not take effect; MLX matmuls are ~40x slower. Fix: %s",
+            os.environ.get("LD_PRELOAD"),
+            FIX_HINT,
+        )
         return
     path = find_fast_blas()
     if path is None:
-        log.warning("MLX is using its bundled reference BLAS (~40x slower matmuls). Fix: %s",
-                    FIX_HINT)
+        log.warning(
+            "MLX is using its bundled reference BLAS (~40x slower matmuls). Fix: %s", FIX_HINT
+        )
         return
     log.info("re-executing with fast BLAS preloaded: %s", path)
     preload = ":".join(p for p in (path, os.environ.get("LD_PRELOAD", "")) if p)

@@ -31,7 +31,9 @@ def refuse_unsupported(body: ChatCompletionRequest) -> None:
     if body.tools:
         raise bad_request("tools are not supported yet", "tools")
     if body.response_format and body.response_format.get("type") not in (None, "text"):
-        raise bad_request("response_format other than 'text' is not supported yet", "response_format")
+        raise bad_request(
+            "response_format other than 'text' is not supported yet", "response_format"
+        )
     if body.logprobs:
         raise bad_request("logprobs is not supported yet", "logprobs")
 

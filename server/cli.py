@@ -21,7 +21,8 @@ DEMO_MODEL_NAME = "tandem-demo"
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="local mlx-lm model directory or hub id")
     parser.add_argument(
-        "--demo", action="store_true",
+        "--demo",
+        action="store_true",
         help="serve a tiny random-weight demo model built offline (output is gibberish)",
     )
     parser.add_argument("--draft-model", help="draft model (path or hub id) for speculation")
@@ -30,17 +31,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
-        "--api-key", action="append", default=[],
+        "--api-key",
+        action="append",
+        default=[],
         help="require this key (Bearer or x-api-key); repeat for several keys",
     )
     parser.add_argument(
-        "--max-tokens", type=int, default=4096,
+        "--max-tokens",
+        type=int,
+        default=4096,
         help="largest max_tokens a request may ask for (also the default)",
     )
     parser.add_argument("--max-queue", type=int, default=256, help="bound on waiting requests")
     parser.add_argument("--served-model-name", help="model id clients use (default: dir name)")
     parser.add_argument(
-        "--no-blas-preload", action="store_true",
+        "--no-blas-preload",
+        action="store_true",
         help="Linux CPU: do not re-exec with OpenBLAS/MKL preloaded (env TANDEM_NO_BLAS_PRELOAD=1)",
     )
     parser.add_argument(
@@ -59,8 +65,10 @@ def unimplemented_flags(args: argparse.Namespace) -> list[str]:
     """Flags that parse but whose feature has not landed yet: said loudly at startup."""
     notes = []
     if args.draft_model:
-        notes.append("--draft-model: the draft is loaded and checked, but speculative decoding "
-                     "is not implemented yet; serving with plain decoding")
+        notes.append(
+            "--draft-model: the draft is loaded and checked, but speculative decoding "
+            "is not implemented yet; serving with plain decoding"
+        )
     if args.num_draft_tokens != 4:
         notes.append("--num-draft-tokens: speculative decoding is not implemented yet")
     if args.no_pld:
@@ -110,16 +118,27 @@ def serve(args: argparse.Namespace) -> None:
     config = build_config(args)
     log.info("compute: %s, BLAS: %s", _device_name(), describe_blas())
     if config.demo:
-        log.warning("demo model: tiny random weights at %s; its output is gibberish",
-                    config.scheduler.model)
+        log.warning(
+            "demo model: tiny random weights at %s; its output is gibberish", config.scheduler.model
+        )
     for note in config.unimplemented_flags:
         log.warning("%s", note)
     if not config.api_keys:
         log.info("no --api-key given: requests are not authenticated")
-    log.info("serving %s as '%s' on http://%s:%d",
-             config.scheduler.model, config.served_model_name, config.host, config.port)
-    uvicorn.run(create_app(config), host=config.host, port=config.port,
-                log_level=args.log_level, timeout_graceful_shutdown=5)
+    log.info(
+        "serving %s as '%s' on http://%s:%d",
+        config.scheduler.model,
+        config.served_model_name,
+        config.host,
+        config.port,
+    )
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+    )
 
 
 def _device_name() -> str:

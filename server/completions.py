@@ -46,9 +46,7 @@ def to_generation_request(request: Request, body: CompletionRequest) -> Generati
     max_tokens = effective_max_tokens(
         body.max_tokens, len(prompt_ids), info.context_length, config.max_tokens
     )
-    return build_request(
-        new_request_id("cmpl"), body, prompt_ids, max_tokens, len(info.tokenizer)
-    )
+    return build_request(new_request_id("cmpl"), body, prompt_ids, max_tokens, len(info.tokenizer))
 
 
 def completion_json(gen: GenerationRequest, model: str, created: int, events: list[TokenEvent]):

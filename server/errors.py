@@ -21,12 +21,21 @@ class ApiError(Exception):
     """An error raised by the HTTP layer itself (auth, unknown model, bad JSON)."""
 
     def __init__(
-        self, status: int, message: str, type_: str, param: str | None = None,
-        code: str | None = None, headers: dict[str, str] | None = None,
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
-            status, message, type_, param, code,
+            status,
+            message,
+            type_,
+            param,
+            code,
         )
         self.headers = headers or {}
 

@@ -94,10 +94,10 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
-    async def wait_ready(self, timeout: float | None = None) -> None:
-        ready = await asyncio.to_thread(self._ready.wait, timeout)
-        if not ready or self.state != SchedulerState.READY:
-            raise ServerNotReady(self.error or "model is still loading")
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """Block until the model has loaded (or failed to); True when ready."""
+        self._ready.wait(timeout)
+        return self.state == SchedulerState.READY
 
     @property
     def num_outstanding(self) -> int:
@@ -223,7 +223,6 @@ class Scheduler:
             if tracked is None:
                 return  # already finished
             self._waiting.remove(tracked)
-        log.info("request %s cancelled", request_id)
         self._finish(tracked, FinishReason.CANCELLED)
 
     def _admit(self) -> None:
@@ -284,7 +283,24 @@ class Scheduler:
             error=error,
         )
         event.timings = self._timings(tracked)
+        self._log_finish(tracked, event)
         self._deliver(tracked, event)
+
+    @staticmethod
+    def _log_finish(tracked: _Tracked, event: TokenEvent) -> None:
+        timings = event.timings
+        decode_s = timings["e2e_s"] - timings.get("ttft_s", timings["e2e_s"])
+        rate = (event.completion_tokens - 1) / decode_s if decode_s > 0 else 0.0
+        log.info(
+            "request %s %s: prompt_tokens=%d completion_tokens=%d ttft=%.3fs tok/s=%.1f%s",
+            event.request_id,
+            event.finish_reason.value,
+            event.prompt_tokens,
+            event.completion_tokens,
+            timings.get("ttft_s", float("nan")),
+            rate,
+            f" error={event.error!r}" if event.error else "",
+        )
 
     def _event(self, tracked: _Tracked, token_ids: list[int], text: str, **kw: Any) -> TokenEvent:
         return TokenEvent(

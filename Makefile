@@ -1,0 +1,35 @@
+# The README's commands. `make serve` and `make test` create .venv on first use.
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+# Linux CPU: preload OpenBLAS for the test run when present (the server re-execs itself).
+BLAS := $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/libopenblas.so.0 /usr/lib/aarch64-linux-gnu/libopenblas.so.0))
+PRELOAD := $(if $(BLAS),LD_PRELOAD=$(BLAS),)
+
+.PHONY: serve test test-slow lint bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+serve: $(BIN)/.installed
+	$(BIN)/tandem serve --demo
+
+test: $(BIN)/.installed
+	$(PRELOAD) $(BIN)/pytest -q
+
+# Long tests (marked slow); pytest exits 5 when none are collected.
+test-slow: $(BIN)/.installed
+	$(PRELOAD) $(BIN)/pytest -q -m slow || [ $$? -eq 5 ]
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: $(BIN)/.installed
+	$(PRELOAD) $(BIN)/python -m bench.single_stream
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny real models built once per session, a running scheduler,
+the ASGI app behind an httpx client, and reference decoding with plain mlx-lm."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from engines.demo import TinyModelSpec, build_tiny_model
+from scheduler import Scheduler, SchedulerConfig
+from server.app import create_app
+from server.config import ServerConfig
+
+SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
+MODEL_NAME = "tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """Random 2-layer Llama (hidden 64) with a real BPE tokenizer and chat template."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory) -> Path:
+    """A smaller random model sharing the target's tokenizer."""
+    spec = TinyModelSpec(hidden_size=32, num_hidden_layers=1, intermediate_size=64, seed=1)
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "draft", spec)
+
+
+@pytest.fixture(scope="session")
+def no_template_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with its chat template removed."""
+    import json
+
+    out = tmp_path_factory.mktemp("models") / "no-template"
+    shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True)
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps(config))
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model_dir):
+    """Plain mlx-lm on its own copy of the tiny model: the ground truth."""
+    model, tokenizer = load(str(tiny_model_dir))
+    return Reference(model, tokenizer)
+
+
+class Reference:
+    def __init__(self, model, tokenizer) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+
+    def greedy_tokens(self, prompt_ids: list[int], max_tokens: int, **kwargs) -> list[int]:
+        """Exactly `max_tokens` greedy tokens from `mlx_lm.generate_step` (EOS ignored)."""
+        steps = generate_step(mx.array(prompt_ids), self.model, max_tokens=max_tokens, **kwargs)
+        return [token for token, _ in steps]
+
+    def greedy_until_eos(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        tokens = []
+        for token in self.greedy_tokens(prompt_ids, max_tokens):
+            tokens.append(token)
+            if token in self.tokenizer.eos_token_ids:
+                break
+        return tokens
+
+
+def start_scheduler(model_dir: Path, **overrides) -> Scheduler:
+    scheduler = Scheduler(SchedulerConfig(model=str(model_dir), **overrides))
+    scheduler.start()
+    assert scheduler.wait_loaded(60), scheduler.error
+    return scheduler
+
+
+@pytest.fixture(scope="session")
+def scheduler(tiny_model_dir):
+    scheduler = start_scheduler(tiny_model_dir)
+    yield scheduler
+    scheduler.stop()
+
+
+def make_client(scheduler: Scheduler, **config_overrides) -> httpx.AsyncClient:
+    config = ServerConfig(
+        scheduler=scheduler.config, served_model_name=MODEL_NAME, **config_overrides
+    )
+    app = create_app(config, scheduler)
+    transport = httpx.ASGITransport(app=app)
+    return httpx.AsyncClient(transport=transport, base_url="http://tandem.test", timeout=60)
+
+
+@pytest.fixture
+async def client(scheduler):
+    async with make_client(scheduler) as client:
+        yield client

@@ -1,0 +1,84 @@
+"""Bad input gets a clear 4xx in OpenAI's error shape, and the server keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import MODEL_NAME, make_client, start_scheduler
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+BAD_REQUESTS = [
+    (COMPLETIONS, b'{"prompt": "hi", ', 400, None),
+    (COMPLETIONS, b"[1, 2, 3]", 400, None),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    (COMPLETIONS, {"prompt": "hi", "temperature": 5}, 400, "temperature"),
+    (COMPLETIONS, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    (COMPLETIONS, {"prompt": 42}, 400, "prompt"),
+    (COMPLETIONS, {"max_tokens": 5}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": "hi", "n": 2}, 400, "n"),
+    (COMPLETIONS, {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    (COMPLETIONS, {"prompt": [999999]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "echo": True}, 400, "echo"),
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {"messages": "hello"}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    (CHAT, {"messages": [{"role": "user", "content": 7}]}, 400, None),
+    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "messages[0].content",
+    ),
+    (CHAT, {"messages": USER, "model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("path", "payload", "status", "param"), BAD_REQUESTS)
+async def test_bad_input_gets_openai_shaped_4xx(client, path, payload, status, param):
+    if isinstance(payload, bytes):
+        response = await client.post(path, content=payload)
+    else:
+        response = await client.post(path, json=payload)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"].startswith(param)
+
+
+async def test_prompt_longer_than_context_is_400_and_server_keeps_serving(client):
+    response = await client.post(COMPLETIONS, json={"prompt": [5] * 2100, "max_tokens": 4})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    ok = await client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 3})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+async def test_unknown_route_and_method_are_json_errors(client):
+    missing = await client.get("/v1/nothing")
+    assert missing.status_code == 404 and "error" in missing.json()
+    wrong_method = await client.get(COMPLETIONS)
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+
+
+async def test_chat_on_model_without_template_is_clear_400(no_template_model_dir):
+    scheduler = start_scheduler(no_template_model_dir)
+    try:
+        async with make_client(scheduler) as client:
+            response = await client.post(CHAT, json={"model": MODEL_NAME, "messages": USER})
+            assert response.status_code == 400
+            assert response.json()["error"]["code"] == "no_chat_template"
+            ok = await client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2})
+            assert ok.status_code == 200
+    finally:
+        scheduler.stop()

@@ -1,0 +1,175 @@
+"""Against a real `tandem serve` process (uvicorn) on 127.0.0.1: startup, BLAS
+selection, streaming, and a mid-stream disconnect that cancels generation."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engines.blas import find_fast_blas
+
+TANDEM = str(Path(sys.executable).parent / "tandem")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.port = free_port()
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-{self.port}.log"
+        self.log_file = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [TANDEM, "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_healthy(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited:\n{self.log()}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not healthy in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        self.log_file.flush()
+        return self.log_path.read_text()
+
+    def wait_for_log(self, pattern: str, timeout: float = 10) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = re.search(pattern, self.log())
+            if match:
+                return match
+            time.sleep(0.1)
+        raise AssertionError(f"log never matched {pattern!r}:\n{self.log()}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log_file.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "TANDEM_BLAS_REEXEC")}
+    proc = ServerProcess([str(tiny_model_dir), "--served-model-name", "tiny"], env)
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_startup_log_names_the_blas_in_use(server):
+    line = server.wait_for_log(r"BLAS: (\w+)")
+    if sys.platform.startswith("linux") and find_fast_blas() is not None:
+        assert line.group(1) in ("openblas", "mkl"), server.log()
+    assert "serving" in server.log()
+
+
+def test_streaming_over_real_socket(server):
+    payload = {
+        "model": "tiny",
+        "prompt": "Once upon a time",
+        "max_tokens": 20,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=payload, timeout=30) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert len(lines) >= 3
+
+
+def test_disconnect_mid_stream_cancels_generation(server):
+    max_tokens = 1900
+    payload = {
+        "model": "tiny",
+        "prompt": "Once upon a time",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=payload, timeout=30) as r:
+        received = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                received += 1
+            if received == 5:
+                break  # leaving the block closes the connection mid-stream
+    match = server.wait_for_log(r"request (cmpl-\w+) cancelled: .*completion_tokens=(\d+)")
+    assert int(match.group(2)) < max_tokens
+    # The engine is free again: a new request is served at once.
+    response = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": "tiny", "prompt": "hi", "max_tokens": 5},
+        timeout=30,
+    )
+    assert response.status_code == 200
+
+
+def test_demo_flag_serves_and_warns(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    proc = ServerProcess(["--demo"], env)
+    try:
+        proc.wait_healthy()
+        assert "gibberish" in proc.log()
+        response = httpx.post(
+            f"{proc.url}/v1/chat/completions",
+            json={
+                "model": "tandem-demo",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 8,
+            },
+            timeout=30,
+        )
+        assert response.status_code == 200
+        assert (tmp_path / "tandem" / "demo-model" / "model.safetensors").exists()
+    finally:
+        proc.stop()
+
+
+def test_unimplemented_flags_are_announced_not_ignored(tiny_model_dir, tiny_draft_dir):
+    proc = ServerProcess(
+        [
+            str(tiny_model_dir),
+            "--draft-model",
+            str(tiny_draft_dir),
+            "--no-pld",
+            "--num-draft-tokens",
+            "3",
+        ],
+        dict(os.environ),
+    )
+    try:
+        proc.wait_healthy()
+        log = proc.log()
+        for flag in ("--draft-model", "--no-pld", "--num-draft-tokens"):
+            assert flag in log
+    finally:
+        proc.stop()

@@ -1,0 +1,59 @@
+"""The scheduler on its own: streams, FIFO service, cancellation, queue bound."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engines.errors import ContextTooLong, QueueFull
+from engines.request import GenerationRequest, SamplingParams
+from engines.sequence import FinishReason
+from tests.conftest import start_scheduler
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def request(rid: str, prompt: list[int], max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(rid, tuple(prompt), max_tokens, GREEDY, ignore_eos=True)
+
+
+async def test_concurrent_submissions_each_get_their_solo_output(scheduler, reference):
+    prompts = [reference.tokenizer.encode(p) for p in ("Once upon", "def add(a", "Hello")]
+    streams = [scheduler.submit(request(f"c{i}", p, 30)) for i, p in enumerate(prompts)]
+    results = await asyncio.gather(*(s.collect() for s in streams))
+    for prompt, events in zip(prompts, results):
+        tokens = [t for e in events for t in e.token_ids]
+        assert tokens == reference.greedy_tokens(prompt, 30)
+        assert events[-1].finish_reason == FinishReason.LENGTH
+        assert events[-1].completion_tokens == 30
+
+
+async def test_cancelling_a_waiting_request_removes_it_without_running(scheduler, reference):
+    prompt = reference.tokenizer.encode("Once upon")
+    first = scheduler.submit(request("long", prompt, 400))
+    second = scheduler.submit(request("waiting", prompt, 400))
+    second.cancel()
+    first_events = await first.collect()
+    assert first_events[-1].finish_reason == FinishReason.LENGTH
+    await asyncio.sleep(0.05)
+    assert scheduler.num_outstanding == 0
+
+
+async def test_queue_bound_refuses_excess_requests(tiny_model_dir, reference):
+    bounded = start_scheduler(tiny_model_dir, max_queue=1)
+    try:
+        prompt = reference.tokenizer.encode("Once upon")
+        running = bounded.submit(request("a", prompt, 300))
+        waiting = bounded.submit(request("b", prompt, 5))
+        with pytest.raises(QueueFull):
+            bounded.submit(request("c", prompt, 5))
+        assert (await waiting.collect())[-1].finish_reason == FinishReason.LENGTH
+        running.cancel()
+    finally:
+        bounded.stop()
+
+
+def test_context_overflow_is_refused_at_submit(scheduler):
+    with pytest.raises(ContextTooLong):
+        scheduler.submit(request("x", [5] * 2000, 100))

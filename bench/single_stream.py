@@ -88,10 +88,8 @@ def server_decode_rate(port: int, max_tokens: int) -> float:
 def mlx_lm_decode_rate(model, tokenizer, max_tokens: int) -> float:
     from mlx_lm import stream_generate
 
-    last = None
-    for last in stream_generate(model, tokenizer, PROMPT, max_tokens=max_tokens):
-        pass
-    return last.generation_tps
+    responses = list(stream_generate(model, tokenizer, PROMPT, max_tokens=max_tokens))
+    return responses[-1].generation_tps
 
 
 def main() -> None:
@@ -102,15 +100,14 @@ def main() -> None:
     args = parser.parse_args()
 
     import mlx.core as mx
+    from mlx.utils import tree_flatten
     from mlx_lm import load
 
     from engines.blas import describe_blas
 
     model_path = resolve_model(args.model)
     model, tokenizer = load(model_path)
-    n_params = sum(
-        v.size for _, v in __import__("mlx.utils").utils.tree_flatten(model.parameters())
-    )
+    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     port = free_port()
     server = start_server(model_path, port)
     try:

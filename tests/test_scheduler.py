@@ -22,7 +22,7 @@ async def test_concurrent_submissions_each_get_their_solo_output(scheduler, refe
     prompts = [reference.tokenizer.encode(p) for p in ("Once upon", "def add(a", "Hello")]
     streams = [scheduler.submit(request(f"c{i}", p, 30)) for i, p in enumerate(prompts)]
     results = await asyncio.gather(*(s.collect() for s in streams))
-    for prompt, events in zip(prompts, results):
+    for prompt, events in zip(prompts, results, strict=True):
         tokens = [t for e in events for t in e.token_ids]
         assert tokens == reference.greedy_tokens(prompt, 30)
         assert events[-1].finish_reason == FinishReason.LENGTH

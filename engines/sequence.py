@@ -14,6 +14,7 @@ from typing import Any
 from engines.request import GenerationRequest
 from engines.sampling import RandomStream
 from engines.stopping import StopMatcher
+from engines.telemetry import SpecStats
 
 
 class FinishReason(str, enum.Enum):
@@ -44,6 +45,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matched_stop: str | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
 
     def __post_init__(self) -> None:
         self.stop = StopMatcher(self.request.stop)

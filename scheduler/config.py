@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engines.gates import CostModel
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -13,3 +15,4 @@ class SchedulerConfig:
     enable_pld: bool = True
     max_queue: int = 256  # requests waiting beyond the running ones; more get QueueFull
     prefill_step_size: int = 2048
+    cost_model: CostModel | None = None  # None: measure verify costs at startup

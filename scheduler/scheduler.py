@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.errors import ContextTooLong, InvalidRequest, QueueFull, ServerNotReady
-from engines.plain import PlainEngine
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest
 from engines.sequence import FinishReason, Sequence, StepOutput, make_sequence
+from engines.speculative import SpecConfig, SpeculativeEngine
 from scheduler.config import SchedulerConfig
 from scheduler.stream import RequestStream, TokenEvent
 
@@ -82,7 +82,7 @@ class Scheduler:
         # Engine-thread state:
         self._waiting: deque[_Tracked] = deque()
         self._running: dict[str, _Tracked] = {}
-        self._engine: PlainEngine | None = None
+        self._engine: SpeculativeEngine | None = None
 
     # ---- asyncio side -------------------------------------------------------------
 
@@ -185,7 +185,16 @@ class Scheduler:
         log.info("loading model %s", config.model)
         registry = ModelRegistry.load(config.model, config.draft_model)
         self.registry = registry
-        self._engine = PlainEngine(registry, prefill_step_size=config.prefill_step_size)
+        self._engine = SpeculativeEngine(
+            registry,
+            SpecConfig(
+                num_draft_tokens=config.num_draft_tokens,
+                enable_pld=config.enable_pld,
+                prefill_step_size=config.prefill_step_size,
+            ),
+            cost=config.cost_model,
+        )
+        log.info("speculation: %s", self._engine.describe())
         registry.transfer(self._engine.name)
         self.model_info = ModelInfo(
             path=config.model,
@@ -281,6 +290,7 @@ class Scheduler:
             finish_reason=reason,
             matched_stop=output.matched_stop if output else None,
             error=error,
+            speculation=tracked.seq.spec.as_dict() if tracked.seq else None,
         )
         event.timings = self._timings(tracked)
         self._log_finish(tracked, event)
@@ -291,14 +301,21 @@ class Scheduler:
         timings = event.timings
         decode_s = timings["e2e_s"] - timings.get("ttft_s", timings["e2e_s"])
         rate = (event.completion_tokens - 1) / decode_s if decode_s > 0 else 0.0
+        spec = event.speculation or {}
+        methods = " ".join(
+            f"{m}={s['accepted_tokens']}/{s['draft_tokens']}"
+            for m, s in spec.get("by_method", {}).items()
+        )
         log.info(
-            "request %s %s: prompt_tokens=%d completion_tokens=%d ttft=%.3fs tok/s=%.1f%s",
+            "request %s %s: prompt_tokens=%d completion_tokens=%d ttft=%.3fs tok/s=%.1f "
+            "accepted/drafted: %s%s",
             event.request_id,
             event.finish_reason.value,
             event.prompt_tokens,
             event.completion_tokens,
             timings.get("ttft_s", float("nan")),
             rate,
+            methods or "none",
             f" error={event.error!r}" if event.error else "",
         )
 

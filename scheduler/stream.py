@@ -27,6 +27,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     matched_stop: str | None = None
     error: str | None = None
+    speculation: dict | None = None  # per-request drafted/accepted stats, on the final event
     timings: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -26,7 +26,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve a tiny random-weight demo model built offline (output is gibberish)",
     )
     parser.add_argument("--draft-model", help="draft model (path or hub id) for speculation")
-    parser.add_argument("--num-draft-tokens", type=int, default=4, help="draft length k")
+    parser.add_argument(
+        "--num-draft-tokens", type=int, default=4,
+        help="largest draft length k (adapted per step; requests may ask for up to 8)",
+    )
     parser.add_argument("--no-pld", action="store_true", help="disable prompt-lookup decoding")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -61,21 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def unimplemented_flags(args: argparse.Namespace) -> list[str]:
-    """Flags that parse but whose feature has not landed yet: said loudly at startup."""
-    notes = []
-    if args.draft_model:
-        notes.append(
-            "--draft-model: the draft is loaded and checked, but speculative decoding "
-            "is not implemented yet; serving with plain decoding"
-        )
-    if args.num_draft_tokens != 4:
-        notes.append("--num-draft-tokens: speculative decoding is not implemented yet")
-    if args.no_pld:
-        notes.append("--no-pld: prompt-lookup decoding is not implemented yet (nothing to disable)")
-    return notes
-
-
 def build_config(args: argparse.Namespace):
     from scheduler.config import SchedulerConfig
     from server.config import ServerConfig
@@ -105,7 +93,6 @@ def build_config(args: argparse.Namespace):
         api_keys=keys,
         max_tokens=args.max_tokens,
         demo=args.demo,
-        unimplemented_flags=tuple(unimplemented_flags(args)),
     )
 
 
@@ -121,8 +108,6 @@ def serve(args: argparse.Namespace) -> None:
         log.warning(
             "demo model: tiny random weights at %s; its output is gibberish", config.scheduler.model
         )
-    for note in config.unimplemented_flags:
-        log.warning("%s", note)
     if not config.api_keys:
         log.info("no --api-key given: requests are not authenticated")
     log.info(

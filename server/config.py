@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from scheduler.config import SchedulerConfig
 
@@ -16,4 +16,3 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     max_tokens: int = 4096  # cap on (and default for) tokens generated per request
     demo: bool = False
-    unimplemented_flags: tuple[str, ...] = field(default=())

@@ -13,6 +13,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from engines.demo import TinyModelSpec, build_tiny_model
+from engines.gates import CostModel
 from scheduler import Scheduler, SchedulerConfig
 from server.app import create_app
 from server.config import ServerConfig
@@ -76,6 +77,8 @@ class Reference:
 
 
 def start_scheduler(model_dir: Path, **overrides) -> Scheduler:
+    """A running scheduler with a fixed cost model, so gating decisions are repeatable."""
+    overrides.setdefault("cost_model", CostModel.assumed(9))
     scheduler = Scheduler(SchedulerConfig(model=str(model_dir), **overrides))
     scheduler.start()
     assert scheduler.wait_loaded(60), scheduler.error

@@ -154,22 +154,19 @@ def test_demo_flag_serves_and_warns(tmp_path):
         proc.stop()
 
 
-def test_unimplemented_flags_are_announced_not_ignored(tiny_model_dir, tiny_draft_dir):
+def test_speculation_flags_reach_the_engine(tiny_model_dir, tiny_draft_dir):
     proc = ServerProcess(
-        [
-            str(tiny_model_dir),
-            "--draft-model",
-            str(tiny_draft_dir),
-            "--no-pld",
-            "--num-draft-tokens",
-            "3",
-        ],
+        [str(tiny_model_dir), "--draft-model", str(tiny_draft_dir), "--num-draft-tokens", "3"],
         dict(os.environ),
     )
     try:
         proc.wait_healthy()
-        log = proc.log()
-        for flag in ("--draft-model", "--no-pld", "--num-draft-tokens"):
-            assert flag in log
+        proc.wait_for_log(r"speculation: methods=pld\+draft k=3")
+    finally:
+        proc.stop()
+    proc = ServerProcess([str(tiny_model_dir), "--no-pld"], dict(os.environ))
+    try:
+        proc.wait_healthy()
+        proc.wait_for_log(r"speculation: methods=none k=4")
     finally:
         proc.stop()

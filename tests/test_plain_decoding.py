@@ -1,4 +1,5 @@
-"""The plain engine is the baseline: bit-identical to mlx-lm's own decode loop."""
+"""With drafting off (k = 0) the speculative engine is plain decoding, and plain
+decoding is bit-identical to mlx-lm's own decode loop."""
 
 from __future__ import annotations
 
@@ -7,25 +8,27 @@ import pytest
 from mlx_lm import generate
 from mlx_lm.sample_utils import make_logits_processors
 
-from engines.plain import PlainEngine
+from engines.gates import CostModel
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams
 from engines.sequence import FinishReason, make_sequence
+from engines.speculative import SpecConfig, SpeculativeEngine
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     registry = ModelRegistry.load(str(tiny_model_dir))
-    engine = PlainEngine(registry, prefill_step_size=16)
+    config = SpecConfig(num_draft_tokens=0, enable_pld=False, prefill_step_size=16)
+    engine = SpeculativeEngine(registry, config, cost=CostModel.assumed(9))
     registry.transfer(engine.name)
     return engine
 
 
-def run(engine: PlainEngine, request: GenerationRequest):
+def run(engine: SpeculativeEngine, request: GenerationRequest):
     seq = make_sequence(request, engine.registry.tokenizer)
     engine.add(seq)
     outputs = []
-    while engine.seq is not None:
+    while engine.active is not None:
         outputs.extend(engine.step())
     return seq, outputs
 

@@ -1,0 +1,163 @@
+"""Drafters propose the next few tokens; the target verifies them in one forward.
+
+`propose(context, k) -> Draft | None`. A draft carries the tokens and, for a
+stochastic drafter, the probabilities q it sampled them from (None = one-hot).
+
+* `PromptLookupDrafter` (PLD): finds the longest recent n-gram (3..1 tokens) of the
+  context that occurred earlier and proposes what followed it. Free to run.
+* `DraftModelDrafter`: a small model with its own KV cache, kept in step with the
+  committed tokens (it prefills only what it has not seen, after trimming what was
+  rejected), sampling from its own processed distribution q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from engines.request import SamplingParams
+from engines.sampling import RandomStream, filter_logprobs
+
+PLD = "pld"
+DRAFT = "draft"
+
+
+@dataclass
+class Draft:
+    method: str  # PLD or DRAFT
+    tokens: list[int]
+    probs: mx.array | None  # (k, V) float32 q for sampled drafts; None = one-hot
+    match_length: int = 0  # PLD: length of the n-gram that matched
+
+
+class PromptLookupDrafter:
+    """N-gram lookup over prompt + generated tokens, with an incremental index.
+
+    `index[n][ngram]` is the position just after the latest earlier occurrence of
+    `ngram`, so a lookup is O(max_ngram) per step whatever the context length.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.tokens: list[int] = []
+        self.index: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(min_ngram, max_ngram + 1)
+        }
+
+    def extend(self, tokens: list[int]) -> None:
+        """Add committed tokens; only n-grams that end before the last token are indexed,
+        so the current suffix never matches itself."""
+        for token in tokens:
+            self.tokens.append(token)
+            end = len(self.tokens) - 1  # index the n-grams ending at end-1 (followed by end)
+            for n in self.index:
+                if end - n >= 0:
+                    self.index[n][tuple(self.tokens[end - n : end])] = end
+
+    def sync(self, context: list[int]) -> None:
+        """Catch up with the committed context (append-only; a shorter one rebuilds)."""
+        if len(context) < len(self.tokens):
+            self.tokens = []
+            self.index = {n: {} for n in self.index}
+        self.extend(context[len(self.tokens) :])
+
+    def longest_match(self) -> tuple[int, int]:
+        """(match length, start of continuation) for the longest suffix n-gram seen before."""
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(self.tokens) < n:
+                continue
+            start = self.index[n].get(tuple(self.tokens[-n:]))
+            if start is not None:
+                return n, start
+        return 0, -1
+
+    def propose(self, context: list[int], k: int) -> Draft | None:
+        self.sync(context)
+        n, start = self.longest_match()
+        if n == 0 or k <= 0:
+            return None
+        tokens = self.tokens[start : start + k]
+        return Draft(PLD, tokens, None, match_length=n) if tokens else None
+
+
+class DraftModelDrafter:
+    """A small model that drafts autoregressively with its own KV cache.
+
+    Invariant: `self.fed` lists exactly the tokens in `self.cache`. Before drafting,
+    the cache is trimmed to the longest prefix shared with the committed context
+    and the rest of the context is fed, so it never re-prefills what it has seen.
+    """
+
+    def __init__(self, model: Any, vocab_size: int, prefill_step_size: int = 2048) -> None:
+        self.model = model
+        self.vocab_size = vocab_size
+        self.prefill_step_size = prefill_step_size
+        self.cache: list | None = None
+        self.fed: list[int] = []
+
+    def reset(self) -> None:
+        self.cache = None
+        self.fed = []
+
+    def propose(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        rng: RandomStream,
+        processors: list | None = None,
+    ) -> Draft | None:
+        if k <= 0:
+            return None
+        logits = self._catch_up(context)
+        history = list(context)
+        tokens: list[int] = []
+        probs = []
+        for i in range(k):
+            token, q = self._choose(logits, params, rng, processors, history)
+            tokens.append(token)
+            history.append(token)
+            if q is not None:
+                probs.append(q)
+            if i + 1 < k:
+                logits = self._forward([token])
+        return Draft(DRAFT, tokens, mx.stack(probs) if probs else None)
+
+    def _catch_up(self, context: list[int]) -> mx.array:
+        """Trim to the shared prefix (keeping at least one token to feed), feed the rest."""
+        if self.cache is None:
+            self.cache = make_prompt_cache(self.model)
+            self.fed = []
+        shared = 0
+        limit = min(len(self.fed), len(context) - 1)
+        while shared < limit and self.fed[shared] == context[shared]:
+            shared += 1
+        if shared < len(self.fed):
+            trim_prompt_cache(self.cache, len(self.fed) - shared)
+            self.fed = self.fed[:shared]
+        pending = context[shared:]
+        while len(pending) > self.prefill_step_size:
+            self._forward(pending[: self.prefill_step_size])
+            pending = pending[self.prefill_step_size :]
+        return self._forward(pending)
+
+    def _forward(self, tokens: list[int]) -> mx.array:
+        logits = self.model(mx.array(tokens)[None], cache=self.cache)[0, -1, : self.vocab_size]
+        self.fed.extend(tokens)
+        return logits.astype(mx.float32)
+
+    def _choose(self, logits, params, rng, processors, history):
+        logits = logits[None]
+        for processor in processors or ():
+            logits = processor(mx.array(history), logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if params.greedy:
+            return int(mx.argmax(logprobs, axis=-1).item()), None
+        q = mx.softmax(filter_logprobs(params, logprobs) * (1.0 / params.temperature), axis=-1)
+        token = mx.random.categorical(mx.log(q), key=rng.next_key())
+        return int(token.item()), q[0]
+

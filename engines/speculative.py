@@ -1,0 +1,342 @@
+"""The speculative engine: serves one sequence, exactly, as fast as drafting allows.
+
+Each step is one of:
+  * prefill: one chunk of the prompt (all but its last token);
+  * verify: a drafter proposes d1..dk, one target forward scores [last, d1..dk],
+    `acceptance` decides how many drafts survive and which token follows them;
+  * plain: one target forward over [last] (k = 0). Consecutive plain steps are
+    pipelined like `mlx_lm.generate_step`: the next forward is queued before the
+    current token is read, so gated-off speculation costs nothing.
+
+Invariant after every step: the target cache holds exactly the committed tokens
+except the newest one (`last`), which is the input of the next forward -- or, when
+a plain token is in flight, the cache also holds `last` and the in-flight token is
+sampled but not yet committed. `export` settles that and hands the state over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs
+from engines.drafters import DRAFT, PLD, Draft, DraftModelDrafter, PromptLookupDrafter
+from engines.gates import CostModel, MethodGate, prompt_repetition_score
+from engines.registry import ModelRegistry
+from engines.sampling import filter_logprobs, make_token_processors, sample_token
+from engines.sequence import FinishReason, Sequence, StepOutput
+from engines.telemetry import SpecStats
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    num_draft_tokens: int = 4  # default k_max
+    max_draft_tokens: int = 8  # per-request overrides are clamped to this
+    enable_pld: bool = True
+    pld_max_ngram: int = 3
+    pld_preferred_match: int = 2  # with both drafters, PLD drafts when its match is this long
+    prompt_gate_threshold: float = 0.05  # prompt repetition score below which PLD starts closed
+    prefill_step_size: int = 2048
+
+
+@dataclass
+class SequenceState:
+    """A request's portable state: what migration between engines carries.
+
+    `cache` holds `seq.all_tokens[:cached]`; the remaining tokens (at least the
+    newest) are still to be fed. `seq.rng` carries the sampler's key chain."""
+
+    seq: Sequence
+    cache: list
+    cached: int
+
+
+@dataclass
+class _Active:
+    seq: Sequence
+    cache: list
+    cached: int  # tokens of seq.all_tokens held in the cache
+    processors: list
+    gates: dict[str, MethodGate] = field(default_factory=dict)
+    in_flight: mx.array | None = None  # a plain token sampled but not committed
+    history: mx.array | None = None  # tokens in the cache (+ in flight), for penalties
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.seq.all_tokens
+
+
+class SpeculativeEngine:
+    name = "speculative"
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        config: SpecConfig = SpecConfig(),
+        cost: CostModel | None = None,
+    ) -> None:
+        self.registry = registry
+        self.model = registry.target.model
+        self.config = config
+        self.k_cap = max(config.num_draft_tokens, config.max_draft_tokens)
+        draft_model = registry.draft.model if registry.draft else None
+        self.cost = cost or CostModel.measure(self.model, draft_model, self.k_cap + 1)
+        self.vocab_size = registry.target.vocab_size
+        self.pld = PromptLookupDrafter(max_ngram=config.pld_max_ngram)
+        self.drafter = (
+            DraftModelDrafter(
+                draft_model,
+                min(registry.draft.vocab_size, self.vocab_size),
+                config.prefill_step_size,
+            )
+            if draft_model is not None
+            else None
+        )
+        self.totals = SpecStats()  # lifetime counters for /metrics
+        self.active: _Active | None = None
+
+    def describe(self) -> str:
+        methods = (["pld"] if self.config.enable_pld else []) + (["draft"] if self.drafter else [])
+        costs = ", ".join(f"{c:.2f}" for c in self.cost.verify[: self.config.num_draft_tokens + 1])
+        return (
+            f"methods={'+'.join(methods) or 'none'} k={self.config.num_draft_tokens} "
+            f"verify cost vs plain step for 1..k+1 tokens=[{costs}]"
+            + (f" draft step={self.cost.draft_step:.2f}" if self.drafter else "")
+        )
+
+    # ---- admission and hand-over ------------------------------------------------
+
+    @property
+    def has_capacity(self) -> bool:
+        return self.active is None
+
+    @property
+    def active_ids(self) -> list[str]:
+        return [self.active.seq.request_id] if self.active else []
+
+    def add(self, seq: Sequence) -> None:
+        self.resume(SequenceState(seq, make_prompt_cache(self.model), 0))
+
+    def resume(self, state: SequenceState) -> None:
+        """Continue a sequence from exported state, without re-prefilling its cache."""
+        assert self.active is None, "the speculative engine serves one sequence at a time"
+        seq = state.seq
+        active = _Active(seq, state.cache, state.cached, make_token_processors(seq.request.sampling))
+        if active.processors:
+            active.history = mx.array(active.tokens[: state.cached], dtype=mx.int32)
+        active.gates = self._initial_gates(seq)
+        self.active = active
+
+    def export(self) -> tuple[SequenceState, list[StepOutput]]:
+        """Hand the sequence over at a step boundary. A plain token already in flight
+        is committed first; its output is returned so the caller can publish it."""
+        active = self.active
+        outputs = self._commit_in_flight(pipeline=False) if active.in_flight is not None else []
+        self.active = None
+        return SequenceState(active.seq, active.cache, active.cached), outputs
+
+    def cancel(self, request_id: str) -> bool:
+        if self.active is None or self.active.seq.request_id != request_id:
+            return False
+        self.active.seq.finish_reason = FinishReason.CANCELLED
+        self._release()
+        return True
+
+    def _initial_gates(self, seq: Sequence) -> dict[str, MethodGate]:
+        overrides = seq.request.speculation
+        gates = {}
+        if self._request_k(seq) == 0:
+            return gates
+        pld_on = self.config.enable_pld if overrides.enable_pld is None else overrides.enable_pld
+        if pld_on:
+            gate = MethodGate(PLD, alpha=0.5)
+            score = prompt_repetition_score(seq.request.prompt_tokens)
+            if score < self.config.prompt_gate_threshold:
+                gate.close()
+                seq.spec.trip("prompt")
+                self.totals.trip("prompt")
+            gates[PLD] = gate
+        draft_on = overrides.enable_draft is not False
+        if self.drafter is not None and draft_on:
+            gates[DRAFT] = MethodGate(DRAFT, alpha=0.6)
+        return gates
+
+    def _request_k(self, seq: Sequence) -> int:
+        k = seq.request.speculation.num_draft_tokens
+        return self.config.num_draft_tokens if k is None else max(0, min(k, self.k_cap))
+
+    # ---- the step ---------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        active = self.active
+        if active is None:
+            return []
+        if len(active.tokens) - active.cached > 1:
+            self._prefill_chunk(active)
+            return []
+        if active.in_flight is None:
+            draft = self._propose(active)
+            if draft is not None:
+                return self._verify(active, draft)
+            active.in_flight = self._forward_and_sample(active, mx.array(active.tokens[-1:]))
+            active.cached += 1
+        return self._commit_in_flight(pipeline=True)
+
+    def _prefill_chunk(self, active: _Active) -> None:
+        pending = active.tokens[active.cached : -1]
+        chunk = mx.array(pending[: self.config.prefill_step_size])
+        self.registry.check_owner(self.name)
+        self.model(chunk[None], cache=active.cache)
+        mx.eval([c.state for c in active.cache])
+        if active.processors:
+            active.history = mx.concat([active.history, chunk])
+        active.cached += chunk.size
+        mx.clear_cache()
+
+    def _forward_and_sample(self, active: _Active, tokens: mx.array) -> mx.array:
+        """One plain target step on `tokens` (shape (1,)); returns the sampled token."""
+        self.registry.check_owner(self.name)
+        logits = self.model(tokens[None], cache=active.cache)[:, -1, :]
+        if active.processors:
+            active.history = mx.concat([active.history, tokens])
+            for processor in active.processors:
+                logits = processor(active.history, logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return sample_token(active.seq.request.sampling, logprobs, active.seq.rng)
+
+    def _commit_in_flight(self, pipeline: bool) -> list[StepOutput]:
+        active = self.active
+        seq = active.seq
+        current = active.in_flight
+        active.in_flight = None
+        tokens_left = seq.request.max_tokens - len(seq.generated) - 1
+        if pipeline and tokens_left > 0 and self._next_step_is_plain(active):
+            active.in_flight = self._forward_and_sample(active, current)
+            mx.async_eval(active.in_flight)
+            active.cached += 1
+        for gate in active.gates.values():
+            gate.plain_token()
+        token = current.item()
+        output = StepOutput(seq.request_id, [token], seq.commit(token))
+        return self._finish_step(output)
+
+    def _next_step_is_plain(self, active: _Active) -> bool:
+        return not any(gate.due for gate in active.gates.values())
+
+    # ---- drafting and verification ---------------------------------------------
+
+    def _propose(self, active: _Active) -> Draft | None:
+        seq = active.seq
+        k_max = min(self._request_k(seq), seq.request.max_tokens - len(seq.generated) - 1)
+        if k_max <= 0 or not active.gates:
+            return None
+        pld_draft = self._propose_pld(active, k_max) if PLD in active.gates else None
+        if pld_draft is not None and (
+            pld_draft.match_length >= self.config.pld_preferred_match or DRAFT not in active.gates
+        ):
+            return pld_draft
+        gate = active.gates.get(DRAFT)
+        if gate is not None:
+            k = gate.draft_length(k_max, self.cost)
+            if k > 0:
+                return self.drafter.propose(
+                    active.tokens, k, seq.request.sampling, seq.rng, active.processors
+                )
+        return pld_draft
+
+    def _propose_pld(self, active: _Active, k_max: int) -> Draft | None:
+        gate = active.gates[PLD]
+        k = gate.draft_length(k_max, self.cost)
+        if k == 0:
+            return None
+        draft = self.pld.propose(active.tokens, k)
+        if draft is None and not gate.open:
+            gate.postpone()
+        return draft
+
+    def _verify(self, active: _Active, draft: Draft) -> list[StepOutput]:
+        seq = active.seq
+        params = seq.request.sampling
+        k = len(draft.tokens)
+        fed = [active.tokens[-1], *draft.tokens]
+        self.registry.check_owner(self.name)
+        logits = self.model(mx.array(fed)[None], cache=active.cache)[0]
+        logprobs = self._process_rows(active, logits, fed)
+        if params.greedy:
+            target = mx.argmax(logprobs, axis=-1).tolist()
+            accepted = accept_greedy(target, draft.tokens)
+            next_token = target[accepted]
+        else:
+            accepted, next_token = self._accept_sampled(active, logprobs, draft)
+        trim_prompt_cache(active.cache, k - accepted)
+        active.cached += 1 + accepted
+        if active.processors:
+            active.history = mx.concat([active.history, mx.array(fed[: 1 + accepted])])
+        self._record(active, draft, accepted)
+        committed = [*draft.tokens[:accepted], next_token]
+        text = []
+        for token in committed:
+            text.append(seq.commit(token))
+            if seq.finished:
+                break
+        output = StepOutput(seq.request_id, committed[: len(text)], "".join(text))
+        return self._finish_step(output)
+
+    def _process_rows(self, active: _Active, logits: mx.array, fed: list[int]) -> mx.array:
+        """Log-probabilities at each verified position, after penalties and bias,
+        each row seeing exactly the history a plain step would have seen."""
+        if active.processors:
+            rows = []
+            for i in range(len(fed)):
+                history = mx.concat([active.history, mx.array(fed[: i + 1])])
+                row = logits[i : i + 1]
+                for processor in active.processors:
+                    row = processor(history, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def _accept_sampled(self, active: _Active, logprobs: mx.array, draft: Draft):
+        params = active.seq.request.sampling
+        scaled = filter_logprobs(params, logprobs.astype(mx.float32)) * (1.0 / params.temperature)
+        p = mx.softmax(scaled, axis=-1)
+        drafts = mx.array(draft.tokens)
+        if draft.probs is None:
+            q = one_hot_probs(drafts, p.shape[-1])
+        else:
+            q = _pad_vocab(draft.probs, p.shape[-1])
+        accepted, next_token = accept_sampled(
+            p[None], q[None], drafts[None], key=active.seq.rng.next_key()
+        )
+        return int(accepted.item()), int(next_token.item())
+
+    def _record(self, active: _Active, draft: Draft, accepted: int) -> None:
+        k = len(draft.tokens)
+        active.seq.spec.record(draft.method, k, accepted)
+        self.totals.record(draft.method, k, accepted)
+        gate = active.gates[draft.method]
+        if gate.record(k, accepted, self._request_k(active.seq), self.cost):
+            active.seq.spec.trip("runtime")
+            self.totals.trip("runtime")
+
+    def _finish_step(self, output: StepOutput) -> list[StepOutput]:
+        seq = self.active.seq
+        output.finish_reason, output.matched_stop = seq.finish_reason, seq.matched_stop
+        if seq.finished:
+            self._release()
+        elif len(seq.generated) % 256 < len(output.token_ids):
+            mx.clear_cache()
+        return [output]
+
+    def _release(self) -> None:
+        self.active = None
+
+
+def _pad_vocab(probs: mx.array, vocab_size: int) -> mx.array:
+    """Draft distributions over a smaller (unpadded) vocabulary get zero mass beyond it."""
+    missing = vocab_size - probs.shape[-1]
+    if missing <= 0:
+        return probs[..., :vocab_size]
+    return mx.concatenate([probs, mx.zeros((*probs.shape[:-1], missing), probs.dtype)], axis=-1)

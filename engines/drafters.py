@@ -80,8 +80,16 @@ class PromptLookupDrafter:
         n, start = self.longest_match()
         if n == 0 or k <= 0:
             return None
-        tokens = self.tokens[start : start + k]
-        return Draft(PLD, tokens, None, match_length=n) if tokens else None
+        return Draft(PLD, self._continuation(start, k), None, match_length=n)
+
+    def _continuation(self, start: int, k: int) -> list[int]:
+        """k tokens copied from `start`; a copy that reaches the end of the context keeps
+        copying its own output, which continues periodic text (runs, loops) in full."""
+        source = self.tokens
+        out: list[int] = []
+        for position in range(start, start + k):
+            out.append(source[position] if position < len(source) else out[position - len(source)])
+        return out
 
 
 class DraftModelDrafter:
@@ -160,4 +168,3 @@ class DraftModelDrafter:
         q = mx.softmax(filter_logprobs(params, logprobs) * (1.0 / params.temperature), axis=-1)
         token = mx.random.categorical(mx.log(q), key=rng.next_key())
         return int(token.item()), q[0]
-

@@ -55,8 +55,7 @@ class CostModel:
         plain steps (what drafting must beat)."""
         plain = _pipelined_step_seconds(model, repeats)
         verify = tuple(
-            max(1.0, _forward_seconds(model, n, repeats) / plain)
-            for n in range(1, max_tokens + 1)
+            max(1.0, _forward_seconds(model, n, repeats) / plain) for n in range(1, max_tokens + 1)
         )
         draft = _pipelined_step_seconds(draft_model, repeats) / plain if draft_model else 0.0
         return cls(verify, draft)
@@ -138,7 +137,7 @@ class MethodGate:
     cooldown: int = 0
     backoff: int = 8
     min_backoff: int = 8
-    max_backoff: int = 128
+    max_backoff: int = 256
     weight: float = 0.25
     probe_k: int = 2
 
@@ -164,7 +163,9 @@ class MethodGate:
         return was_open
 
     def close(self) -> None:
+        """Start closed (prompt gate): the first probe comes after a doubled back-off."""
         self.open = False
+        self.backoff = min(self.backoff * 2, self.max_backoff)
         self.cooldown = self.backoff
 
     def postpone(self, tokens: int = 4) -> None:

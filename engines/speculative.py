@@ -37,6 +37,7 @@ class SpecConfig:
     enable_pld: bool = True
     pld_max_ngram: int = 3
     pld_preferred_match: int = 2  # with both drafters, PLD drafts when its match is this long
+    pld_probe_match: int = 2  # a closed PLD gate probes only on a match at least this long
     prompt_gate_threshold: float = 0.05  # prompt repetition score below which PLD starts closed
     prefill_step_size: int = 2048
 
@@ -51,6 +52,7 @@ class SequenceState:
     seq: Sequence
     cache: list
     cached: int
+    gates: dict[str, MethodGate] | None = None  # drafting state, kept across a round trip
 
 
 @dataclass
@@ -123,10 +125,12 @@ class SpeculativeEngine:
         """Continue a sequence from exported state, without re-prefilling its cache."""
         assert self.active is None, "the speculative engine serves one sequence at a time"
         seq = state.seq
-        active = _Active(seq, state.cache, state.cached, make_token_processors(seq.request.sampling))
+        active = _Active(
+            seq, state.cache, state.cached, make_token_processors(seq.request.sampling)
+        )
         if active.processors:
             active.history = mx.array(active.tokens[: state.cached], dtype=mx.int32)
-        active.gates = self._initial_gates(seq)
+        active.gates = state.gates if state.gates is not None else self._initial_gates(seq)
         self.active = active
 
     def export(self) -> tuple[SequenceState, list[StepOutput]]:
@@ -135,7 +139,7 @@ class SpeculativeEngine:
         active = self.active
         outputs = self._commit_in_flight(pipeline=False) if active.in_flight is not None else []
         self.active = None
-        return SequenceState(active.seq, active.cache, active.cached), outputs
+        return SequenceState(active.seq, active.cache, active.cached, active.gates), outputs
 
     def cancel(self, request_id: str) -> bool:
         if self.active is None or self.active.seq.request_id != request_id:
@@ -252,8 +256,9 @@ class SpeculativeEngine:
         if k == 0:
             return None
         draft = self.pld.propose(active.tokens, k)
-        if draft is None and not gate.open:
-            gate.postpone()
+        if not gate.open and (draft is None or draft.match_length < self.config.pld_probe_match):
+            gate.postpone()  # a probe needs real evidence of repetition
+            return None
         return draft
 
     def _verify(self, active: _Active, draft: Draft) -> list[StepOutput]:

@@ -68,6 +68,7 @@ def chat_json(gen: GenerationRequest, model: str, created: int, events: list[Tok
             }
         ],
         "usage": usage(last),
+        "speculation": last.speculation,
     }
 
 
@@ -111,7 +112,8 @@ async def chat_chunks(
             if event.text:
                 yield sse_data(chunk({"content": event.text}, None))
             if event.final:
-                yield sse_data(chunk({}, finish_reason_name(event)))
+                final = chunk({}, finish_reason_name(event))
+                yield sse_data({**final, "speculation": event.speculation})
     except RequestFailed as exc:
         yield sse_data(openai_error_body(from_tandem_error(exc)))
     if include_usage and last is not None:

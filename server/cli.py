@@ -27,7 +27,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--draft-model", help="draft model (path or hub id) for speculation")
     parser.add_argument(
-        "--num-draft-tokens", type=int, default=4,
+        "--num-draft-tokens",
+        type=int,
+        default=4,
         help="largest draft length k (adapted per step; requests may ask for up to 8)",
     )
     parser.add_argument("--no-pld", action="store_true", help="disable prompt-lookup decoding")

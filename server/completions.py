@@ -65,6 +65,7 @@ def completion_json(gen: GenerationRequest, model: str, created: int, events: li
             }
         ],
         "usage": usage(last),
+        "speculation": last.speculation,
     }
 
 
@@ -104,8 +105,15 @@ async def completion_chunks(
     try:
         async for event in events:
             last = event
-            if event.text or event.final:
-                yield sse_data(chunk(event.text, finish_reason_name(event)))
+            if event.final:
+                yield sse_data(
+                    {
+                        **chunk(event.text, finish_reason_name(event)),
+                        "speculation": event.speculation,
+                    }
+                )
+            elif event.text:
+                yield sse_data(chunk(event.text, None))
     except RequestFailed as exc:
         yield sse_data(openai_error_body(from_tandem_error(exc)))
     if include_usage and last is not None:

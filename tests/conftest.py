@@ -36,6 +36,24 @@ def tiny_draft_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def perturbed_draft_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The target with small noise on every layer weight: a well-matched draft whose
+    argmax agrees with the target's most of the time, but not always."""
+    out = tmp_path_factory.mktemp("models") / "perturbed"
+    shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True)
+    weights = mx.load(str(out / "model.safetensors"))
+    noise_key = mx.random.key(7)
+    perturbed = {}
+    for name, value in sorted(weights.items()):
+        noise_key, sub = mx.random.split(noise_key)
+        if name.startswith("model.layers") and "norm" not in name:
+            value = value + 0.02 * value.std() * mx.random.normal(value.shape, key=sub)
+        perturbed[name] = value
+    mx.save_safetensors(str(out / "model.safetensors"), perturbed)
+    return out
+
+
+@pytest.fixture(scope="session")
 def no_template_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny model with its chat template removed."""
     import json

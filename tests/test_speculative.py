@@ -1,0 +1,272 @@
+"""The speculative engine: greedy output token-identical to plain decoding with every
+drafter, sampled output exact in distribution, gates that switch drafting off and
+back on, and state that can be exported and resumed without changing the output."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import make_logits_processors
+from scipy.stats import chi2_contingency
+
+from engines.gates import CostModel
+from engines.registry import ModelRegistry
+from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
+from engines.sequence import FinishReason, make_sequence
+from engines.speculative import SpecConfig, SpeculativeEngine
+
+COST = CostModel.assumed(9)
+CODE_PROMPT = "def add(a, b):\n    return a + b\n" * 4
+STORY_PROMPT = "Once upon a time there was a little robot who loved to read books"
+
+
+def make_engine(target_dir, draft_dir=None, **config) -> SpeculativeEngine:
+    registry = ModelRegistry.load(str(target_dir), str(draft_dir) if draft_dir else None)
+    engine = SpeculativeEngine(registry, SpecConfig(**config), cost=COST)
+    registry.transfer(engine.name)
+    return engine
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def run(engine, prompt_ids, max_tokens, *, sampling=GREEDY, **kw):
+    request = GenerationRequest("r", tuple(prompt_ids), max_tokens, sampling, **kw)
+    seq = make_sequence(request, engine.registry.tokenizer)
+    engine.add(seq)
+    outputs = []
+    while engine.active is not None:
+        outputs.extend(engine.step())
+    return seq, outputs
+
+
+@pytest.fixture(scope="module")
+def self_draft_engine(tiny_model_dir):
+    """Draft = the target itself: acceptance ~100%, long accepted runs."""
+    return make_engine(tiny_model_dir, tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def perturbed_engine(tiny_model_dir, perturbed_draft_dir):
+    return make_engine(tiny_model_dir, perturbed_draft_dir)
+
+
+@pytest.fixture(scope="module")
+def random_draft_engine(tiny_model_dir, tiny_draft_dir):
+    return make_engine(tiny_model_dir, tiny_draft_dir)
+
+
+@pytest.fixture(scope="module")
+def pld_engine(tiny_model_dir):
+    return make_engine(tiny_model_dir)
+
+
+def repetitive_bias(tokenizer, n_tokens: int = 3) -> tuple:
+    """Logit bias that makes the tiny model loop over a few tokens, so PLD has
+    something to find (a random model does not copy by itself)."""
+    ids = sorted(set(tokenizer.encode(CODE_PROMPT)))[:n_tokens]
+    return tuple((t, 8.0) for t in ids)
+
+
+@pytest.mark.parametrize("prompt", [CODE_PROMPT, STORY_PROMPT])
+@pytest.mark.parametrize("engine_name", ["self_draft", "perturbed", "random_draft"])
+def test_greedy_draft_model_equals_plain_for_200_tokens(request, reference, engine_name, prompt):
+    engine = request.getfixturevalue(f"{engine_name}_engine")
+    prompt_ids = reference.tokenizer.encode(prompt)
+    seq, _ = run(engine, prompt_ids, 240, ignore_eos=True)
+    assert seq.generated == reference.greedy_tokens(prompt_ids, 240)
+    assert seq.spec.by_method["draft"].drafts > 0
+    if engine_name == "self_draft":
+        draft = seq.spec.by_method["draft"]
+        assert draft.accepted_tokens >= 0.9 * draft.draft_tokens
+
+
+def test_perturbed_draft_has_partial_acceptance(perturbed_engine, reference):
+    prompt_ids = reference.tokenizer.encode(STORY_PROMPT)
+    seq, _ = run(perturbed_engine, prompt_ids, 200, ignore_eos=True)
+    stats = seq.spec.by_method["draft"]
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+
+
+@pytest.mark.parametrize("n_tokens", [1, 2, 3])
+def test_greedy_pld_equals_plain_on_repetitive_output(pld_engine, reference, n_tokens):
+    prompt_ids = reference.tokenizer.encode(CODE_PROMPT)
+    bias = repetitive_bias(reference.tokenizer, n_tokens)
+    sampling = SamplingParams(temperature=0.0, logit_bias=bias)
+    seq, _ = run(pld_engine, prompt_ids, 240, sampling=sampling, ignore_eos=True)
+    processors = make_logits_processors(logit_bias=dict(bias))
+    assert seq.generated == reference.greedy_tokens(prompt_ids, 240, logits_processors=processors)
+    assert seq.spec.by_method["pld"].accepted_tokens > 20
+
+
+def test_greedy_pld_and_draft_together_equal_plain(tiny_model_dir, perturbed_draft_dir, reference):
+    engine = make_engine(tiny_model_dir, perturbed_draft_dir)
+    prompt_ids = reference.tokenizer.encode(CODE_PROMPT)
+    bias = repetitive_bias(reference.tokenizer, 3)
+    sampling = SamplingParams(temperature=0.0, logit_bias=bias, repetition_penalty=1.1)
+    seq, _ = run(engine, prompt_ids, 240, sampling=sampling, ignore_eos=True)
+    processors = make_logits_processors(logit_bias=dict(bias), repetition_penalty=1.1)
+    assert seq.generated == reference.greedy_tokens(prompt_ids, 240, logits_processors=processors)
+    assert {"pld", "draft"} <= set(seq.spec.by_method)
+
+
+@pytest.mark.parametrize("max_tokens", [201, 202, 203])
+def test_max_tokens_inside_an_accepted_run_is_exact(self_draft_engine, reference, max_tokens):
+    prompt_ids = reference.tokenizer.encode(STORY_PROMPT)
+    seq, outputs = run(self_draft_engine, prompt_ids, max_tokens, ignore_eos=True)
+    assert seq.generated == reference.greedy_tokens(prompt_ids, max_tokens)
+    assert outputs[-1].finish_reason == FinishReason.LENGTH
+    assert sum(len(o.token_ids) for o in outputs) == max_tokens
+    assert max(len(o.token_ids) for o in outputs) > 1, "runs of several tokens expected"
+
+
+def test_stop_string_inside_an_accepted_run_emits_nothing_past_it(self_draft_engine, reference):
+    prompt_ids = reference.tokenizer.encode(STORY_PROMPT)
+    detok = reference.tokenizer.detokenizer
+    for token in reference.greedy_tokens(prompt_ids, 120):
+        detok.add_token(token)
+    detok.finalize()
+    full = detok.text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    seq, outputs = run(self_draft_engine, prompt_ids, 120, ignore_eos=True, stop=(stop,))
+    text = "".join(o.text for o in outputs)
+    assert text == full[: full.index(stop)]
+    assert seq.finish_reason == FinishReason.STOP and seq.matched_stop == stop
+    emitted = [t for o in outputs for t in o.token_ids]
+    assert emitted == seq.generated, "no token past the stop is emitted"
+    assert len(emitted) < 120
+
+
+def test_eos_inside_an_accepted_run_stops_there(self_draft_engine, reference):
+    prompt_ids = reference.tokenizer.encode("Hello, world!")
+    expected = reference.greedy_until_eos(prompt_ids, 400)
+    assert expected[-1] in reference.tokenizer.eos_token_ids
+    seq, _ = run(self_draft_engine, prompt_ids, 400)
+    assert seq.generated == expected and seq.finish_reason == FinishReason.STOP
+
+
+def test_per_request_overrides_disable_methods(tiny_model_dir, perturbed_draft_dir, reference):
+    engine = make_engine(tiny_model_dir, perturbed_draft_dir)
+    prompt_ids = reference.tokenizer.encode(CODE_PROMPT)
+    off = SpeculationOverrides(enable_pld=False, enable_draft=False)
+    seq, _ = run(engine, prompt_ids, 60, ignore_eos=True, speculation=off)
+    assert seq.spec.drafts == 0
+    zero_k = SpeculationOverrides(num_draft_tokens=0)
+    seq, _ = run(engine, prompt_ids, 60, ignore_eos=True, speculation=zero_k)
+    assert seq.spec.drafts == 0
+    only_draft = SpeculationOverrides(enable_pld=False, num_draft_tokens=2)
+    seq, _ = run(engine, prompt_ids, 60, ignore_eos=True, speculation=only_draft)
+    assert set(seq.spec.by_method) == {"draft"}
+    assert len(seq.spec.accepted_per_position) <= 2
+    assert seq.generated == reference.greedy_tokens(prompt_ids, 60)
+
+
+# ---- gates -------------------------------------------------------------------------
+
+
+def test_novel_prompt_closes_pld_at_prompt_time(pld_engine, reference):
+    prompt_ids = reference.tokenizer.encode("Write about the weather.")
+    seq, _ = run(pld_engine, prompt_ids, 20, ignore_eos=True)
+    assert seq.spec.gate_trips.get("prompt") == 1
+    repetitive = reference.tokenizer.encode(CODE_PROMPT)
+    seq, _ = run(pld_engine, repetitive, 20, ignore_eos=True)
+    assert "prompt" not in seq.spec.gate_trips
+
+
+def test_run_of_rejections_turns_drafting_off(random_draft_engine, reference):
+    prompt_ids = reference.tokenizer.encode(STORY_PROMPT)
+    seq, _ = run(
+        random_draft_engine,
+        prompt_ids,
+        300,
+        ignore_eos=True,
+        speculation=SpeculationOverrides(enable_pld=False),
+    )
+    stats = seq.spec.by_method["draft"]
+    assert stats.accepted_tokens < 0.3 * stats.draft_tokens, "fixture should mostly reject"
+    assert seq.spec.gate_trips.get("runtime", 0) >= 1
+    assert stats.drafts < 30, "after the trip only sparse re-probes should draft"
+
+
+def test_repetition_turns_pld_back_on_after_prompt_gate(pld_engine, reference):
+    prompt_ids = reference.tokenizer.encode("Write about the weather.")
+    bias = repetitive_bias(reference.tokenizer, 1)
+    seq, _ = run(
+        pld_engine,
+        prompt_ids,
+        200,
+        sampling=SamplingParams(temperature=0.0, logit_bias=bias),
+        ignore_eos=True,
+    )
+    assert seq.spec.gate_trips.get("prompt") == 1
+    pld = seq.spec.by_method["pld"]
+    assert pld.accepted_tokens > 100, "PLD must re-engage once the output repeats"
+
+
+def test_plain_steps_after_gating_off_pipeline_like_plain_decoding(pld_engine, reference):
+    prompt_ids = reference.tokenizer.encode("Write about the weather.")
+    seq, outputs = run(pld_engine, prompt_ids, 100, ignore_eos=True)
+    assert seq.spec.drafts <= 4
+    assert all(len(o.token_ids) == 1 for o in outputs)
+
+
+# ---- export / resume ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("split_after", [1, 37])
+def test_export_and_resume_gives_the_uninterrupted_output(
+    tiny_model_dir, perturbed_draft_dir, reference, temperature, split_after
+):
+    engine = make_engine(tiny_model_dir, perturbed_draft_dir)
+    prompt_ids = reference.tokenizer.encode(CODE_PROMPT)
+    sampling = SamplingParams(temperature=temperature, seed=99, top_p=0.95)
+    expected, _ = run(engine, prompt_ids, 120, sampling=sampling, ignore_eos=True)
+
+    request = GenerationRequest("r", tuple(prompt_ids), 120, sampling, ignore_eos=True)
+    seq = make_sequence(request, engine.registry.tokenizer)
+    engine.add(seq)
+    while len(seq.generated) < split_after:
+        engine.step()
+    state, settled = engine.export()
+    assert engine.active is None
+    assert state.cached == len(seq.all_tokens) - 1, "cache holds all committed but the last"
+    other = make_engine(tiny_model_dir, perturbed_draft_dir)
+    other.resume(state)
+    while other.active is not None:
+        other.step()
+    assert seq.generated == expected.generated
+
+
+# ---- sampled distribution end to end -----------------------------------------------
+
+
+def first_tokens(engine, prompt_ids, trials: int, spec: bool) -> list[tuple[int, int]]:
+    sampling_overrides = (
+        SpeculationOverrides() if spec else SpeculationOverrides(num_draft_tokens=0)
+    )
+    pairs = []
+    for seed in range(trials):
+        params = SamplingParams(temperature=0.8, top_k=6, seed=seed)
+        seq, _ = run(
+            engine, prompt_ids, 2, sampling=params, ignore_eos=True, speculation=sampling_overrides
+        )
+        pairs.append(tuple(seq.generated))
+    return pairs
+
+
+def test_sampled_speculative_first_tokens_match_plain_distribution(perturbed_engine, reference):
+    prompt_ids = reference.tokenizer.encode(STORY_PROMPT)
+    trials = 1500
+    spec = first_tokens(perturbed_engine, prompt_ids, trials, spec=True)
+    plain = first_tokens(perturbed_engine, prompt_ids, trials, spec=False)
+    for position in (0, 1):
+        a = np.array([p[position] for p in spec])
+        b = np.array([p[position] for p in plain])
+        tokens = sorted(set(a) | set(b))
+        table = np.array([[np.sum(a == t) for t in tokens], [np.sum(b == t) for t in tokens]])
+        keep = table.sum(axis=0) >= 10
+        table = np.column_stack([table[:, keep], table[:, ~keep].sum(axis=1)])
+        table = table[:, table.sum(axis=0) > 0]
+        assert chi2_contingency(table).pvalue > 1e-3, (position, table)
+    assert perturbed_engine.totals.by_method["draft"].accepted_tokens > 0

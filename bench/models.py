@@ -1,6 +1,7 @@
 """Benchmark models: named shortcuts for the models our speed claims use.
 
-`random-100m` is a ~100M-parameter random Llama (12 layers, hidden 768) with the
+`wide-stories` is the real stories260K widened (zero-padded) to ~95M parameters: the
+same text at a realistic per-token cost (see `bench/widen.py`). `random-100m` is a ~100M-parameter random Llama (12 layers, hidden 768) with the
 demo tokenizer: its per-token cost is realistic for this CPU, which the tiny real
 TinyStories models (~0.3M parameters) cannot show.
 """
@@ -24,13 +25,27 @@ REALISTIC_SPEC = TinyModelSpec(
 )
 
 
+def widened(src: Path, out: Path) -> Path:
+    """`src` zero-padded to ~95M parameters: the same function at a realistic cost."""
+    from bench.widen import widen
+
+    if not (out / "model.safetensors").exists():
+        widen(src, out, hidden=1024, intermediate=4096, layers=6)
+    return out
+
+
 def resolve_model(name: str) -> str:
-    """A path for `name`: demo, random-100m, stories260K, saltyduckegg, or a real path."""
+    """A path for `name`: demo, random-100m, wide-stories, stories260K, saltyduckegg,
+    or a path / hub id passed through."""
     cache = default_demo_dir().parent
     if name == "demo":
         return str(build_tiny_model(default_demo_dir()))
     if name == "random-100m":
         return str(build_tiny_model(cache / "random-100m", REALISTIC_SPEC))
+    if name == "wide-stories":
+        return str(widened(SHARED_MODELS / "stories260K", cache / "wide-stories260K"))
+    if name == "wide-salty":
+        return str(widened(SHARED_MODELS / "tinystories-280K-saltyduckegg", cache / "wide-salty"))
     if name == "stories260K":
         return str(SHARED_MODELS / "stories260K")
     if name == "saltyduckegg":

@@ -100,13 +100,18 @@ def expected_tokens(alpha: float, k: int) -> float:
     return sum(alpha**i for i in range(k + 1))
 
 
+def speedup(alpha: float, k: int, cost: CostModel, method: str) -> float:
+    """Expected tokens per unit of plain-step cost when drafting k with `method`."""
+    return expected_tokens(alpha, k) / cost.step_cost(k, method)
+
+
 def best_draft_length(alpha: float, k_max: int, cost: CostModel, method: str) -> int:
     """The k in 1..k_max with the best tokens-per-cost, or 0 if none beats plain."""
     best_k, best = 0, MIN_SPEEDUP
     for k in range(1, k_max + 1):
-        speedup = expected_tokens(alpha, k) / cost.step_cost(k, method)
-        if speedup > best:
-            best_k, best = k, speedup
+        gain = speedup(alpha, k, cost, method)
+        if gain > best:
+            best_k, best = k, gain
     return best_k
 
 

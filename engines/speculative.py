@@ -23,7 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs
 from engines.drafters import DRAFT, PLD, Draft, DraftModelDrafter, PromptLookupDrafter
-from engines.gates import CostModel, MethodGate, prompt_repetition_score
+from engines.gates import CostModel, MethodGate, prompt_repetition_score, speedup
 from engines.registry import ModelRegistry
 from engines.sampling import filter_logprobs, make_token_processors, sample_token
 from engines.sequence import FinishReason, Sequence, StepOutput
@@ -237,18 +237,23 @@ class SpeculativeEngine:
         if k_max <= 0 or not active.gates:
             return None
         pld_draft = self._propose_pld(active, k_max) if PLD in active.gates else None
-        if pld_draft is not None and (
-            pld_draft.match_length >= self.config.pld_preferred_match or DRAFT not in active.gates
-        ):
-            return pld_draft
         gate = active.gates.get(DRAFT)
-        if gate is not None:
-            k = gate.draft_length(k_max, self.cost)
-            if k > 0:
-                return self.drafter.propose(
-                    active.tokens, k, seq.request.sampling, seq.rng, active.processors
-                )
-        return pld_draft
+        k = gate.draft_length(k_max, self.cost) if gate is not None else 0
+        if k == 0 or (pld_draft is not None and self._prefer_pld(active, pld_draft, k)):
+            return pld_draft
+        return self.drafter.propose(
+            active.tokens, k, seq.request.sampling, seq.rng, active.processors
+        )
+
+    def _prefer_pld(self, active: _Active, pld_draft: Draft, draft_k: int) -> bool:
+        """With both drafters ready, draft with the one expected to pay more this step:
+        a long lookup match, or PLD's measured acceptance making it the better deal."""
+        if pld_draft.match_length >= self.config.pld_preferred_match:
+            pld_gate, draft_gate = active.gates[PLD], active.gates[DRAFT]
+            pld_gain = speedup(pld_gate.alpha, len(pld_draft.tokens), self.cost, PLD)
+            draft_gain = speedup(draft_gate.alpha, draft_k, self.cost, DRAFT)
+            return pld_gain >= draft_gain
+        return False
 
     def _propose_pld(self, active: _Active, k_max: int) -> Draft | None:
         gate = active.gates[PLD]

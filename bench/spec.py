@@ -1,0 +1,173 @@
+"""Speculative speed-up suite at concurrency 1, side by side in one run.
+
+    tandem bench spec MODEL [--draft-model D] [--num-draft-tokens K] [--sets echo,novel]
+
+For each prompt set it decodes every prompt greedily with:
+  mlx-lm      a bare `mlx_lm.generate_step` loop (the framework's own limit)
+  plain       Tandem's engine with drafting off (k = 0): the server's own overhead
+  draft       Tandem with the draft model only
+  pld         Tandem with prompt lookup only
+  draft+pld   Tandem with both
+and prints decode tok/s (median over prompts x repeats), the ratio to mlx-lm, and
+acceptance per method. Configurations are interleaved per prompt so drift in machine
+speed hits them alike. Every speculative run is checked token-for-token against
+the mlx-lm output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data"
+CONFIGS = ("mlx-lm", "plain", "draft", "pld", "draft+pld")
+
+
+@dataclass
+class Result:
+    rates: list[float] = field(default_factory=list)
+    drafted: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+    mismatches: int = 0
+
+
+def load_prompts(name: str) -> list[str]:
+    path = Path(name) if name.endswith(".jsonl") else DATA / f"{name}.jsonl"
+    return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def decode_rate(stamps: list[float], tokens: int) -> float:
+    """Tokens after the first over the time after the first (prefill excluded)."""
+    return (tokens - 1) / (stamps[-1] - stamps[0])
+
+
+def run_mlx_lm(model, prompt_ids: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    tokens, stamps = [], []
+    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
+        tokens.append(token)
+        stamps.append(time.perf_counter())
+    return decode_rate(stamps, len(tokens)), tokens
+
+
+def run_tandem(engine, prompt_ids, max_tokens, overrides) -> tuple[float, list[int], object]:
+    from engines.request import GenerationRequest, SamplingParams
+    from engines.sequence import make_sequence
+
+    request = GenerationRequest(
+        "bench", tuple(prompt_ids), max_tokens, SamplingParams(temperature=0.0),
+        ignore_eos=True, speculation=overrides,
+    )
+    seq = make_sequence(request, engine.registry.tokenizer)
+    engine.add(seq)
+    stamps = []
+    while engine.active is not None:
+        for output in engine.step():
+            stamps.extend([time.perf_counter()] * len(output.token_ids))
+    return decode_rate(stamps, len(seq.generated)), seq.generated, seq.spec
+
+
+def overrides_for(config: str, k: int):
+    from engines.request import SpeculationOverrides
+
+    return {
+        "plain": SpeculationOverrides(num_draft_tokens=0),
+        "draft": SpeculationOverrides(enable_pld=False, enable_draft=True, num_draft_tokens=k),
+        "pld": SpeculationOverrides(enable_pld=True, enable_draft=False, num_draft_tokens=k),
+        "draft+pld": SpeculationOverrides(enable_pld=True, enable_draft=True, num_draft_tokens=k),
+    }[config]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="tandem bench spec", description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="model path/hub id, or random-100m / wide-stories")
+    parser.add_argument("--draft-model", help="draft model (enables the draft configs)")
+    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--sets", default="echo,novel", help="prompt sets or .jsonl files")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--limit", type=int, default=0, help="prompts per set (0 = all)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+
+    import mlx.core as mx
+
+    from bench.models import resolve_model
+    from engines.blas import describe_blas
+    from engines.registry import ModelRegistry
+    from engines.speculative import SpecConfig, SpeculativeEngine
+
+    model_path = resolve_model(args.model)
+    draft_path = resolve_model(args.draft_model) if args.draft_model else None
+    registry = ModelRegistry.load(model_path, draft_path)
+    engine = SpeculativeEngine(registry, SpecConfig(num_draft_tokens=args.num_draft_tokens))
+    registry.transfer(engine.name)
+    tokenizer = registry.tokenizer
+    configs = [c for c in CONFIGS if draft_path or "draft" not in c]
+
+    print(f"model   {args.model} -> {model_path}")
+    print(f"draft   {args.draft_model} -> {draft_path}")
+    print(f"device  {mx.default_device()}  BLAS {describe_blas()}  "
+          f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r}")
+    print(f"engine  {engine.describe()}")
+    print(f"run     greedy, max_tokens={args.max_tokens}, repeats={args.repeats}, "
+          f"k<={args.num_draft_tokens}")
+
+    results: dict[str, dict[str, Result]] = {}
+    for set_name in args.sets.split(","):
+        prompts = load_prompts(set_name)[: args.limit or None]
+        results[set_name] = {c: Result() for c in configs}
+        run_mlx_lm(registry.target.model, tokenizer.encode(prompts[0]), 8)  # warm-up
+        for _ in range(args.repeats):
+            for prompt in prompts:
+                prompt_ids = tokenizer.encode(prompt)
+                rate, reference = run_mlx_lm(registry.target.model, prompt_ids, args.max_tokens)
+                results[set_name]["mlx-lm"].rates.append(rate)
+                for config in configs[1:]:
+                    overrides = overrides_for(config, args.num_draft_tokens)
+                    rate, tokens, spec = run_tandem(engine, prompt_ids, args.max_tokens, overrides)
+                    result = results[set_name][config]
+                    result.rates.append(rate)
+                    result.mismatches += tokens != reference
+                    for method, stats in spec.by_method.items():
+                        result.drafted[method] = result.drafted.get(method, 0) + stats.draft_tokens
+                        result.accepted[method] = (
+                            result.accepted.get(method, 0) + stats.accepted_tokens
+                        )
+    return report(results, args.json)
+
+
+def report(results: dict[str, dict[str, Result]], json_path: Path | None) -> dict:
+    table = {}
+    print()
+    print(f"{'set':8} {'config':10} {'tok/s':>8} {'vs mlx-lm':>10}  acceptance (accepted/drafted)")
+    for set_name, by_config in results.items():
+        base = statistics.median(by_config["mlx-lm"].rates)
+        for config, result in by_config.items():
+            rate = statistics.median(result.rates)
+            acceptance = "  ".join(
+                f"{m} {result.accepted[m]}/{result.drafted[m]}"
+                f" ({result.accepted[m] / max(result.drafted[m], 1):.0%})"
+                for m in sorted(result.drafted)
+            )
+            flag = f"  MISMATCH x{result.mismatches}" if result.mismatches else ""
+            print(f"{set_name:8} {config:10} {rate:8.1f} {rate / base:9.2f}x  {acceptance}{flag}")
+            table.setdefault(set_name, {})[config] = {
+                "tok_s": rate, "ratio_vs_mlx_lm": rate / base, "runs": result.rates,
+                "drafted": result.drafted, "accepted": result.accepted,
+                "greedy_mismatches": result.mismatches,
+            }
+    if json_path:
+        json_path.write_text(json.dumps(table, indent=2))
+    return table
+
+
+if __name__ == "__main__":
+    main()

@@ -72,6 +72,27 @@ class OwnershipError(RuntimeError):
     """An engine tried to run the model without owning it."""
 
 
+class GuardedModel:
+    """The shared model as one engine sees it: every forward checks ownership first.
+
+    Engines (and mlx-lm's BatchGenerator, which the batched engine hands this to)
+    only ever call the model through their own guard, so a forward pass by an engine
+    that does not own the model raises instead of silently interleaving."""
+
+    def __init__(self, registry: ModelRegistry, model: Any, engine_name: str) -> None:
+        self._registry = registry
+        self._model = model
+        self._engine_name = engine_name
+
+    def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        self._registry.check_owner(self._engine_name)
+        self._registry.tokens_processed += inputs.size
+        return self._model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
 class ModelRegistry:
     """The shared target/draft models and the record of which engine owns them."""
 
@@ -81,6 +102,7 @@ class ModelRegistry:
         self.target = target
         self.draft = draft
         self.owner: str | None = None
+        self.tokens_processed = 0  # token positions fed to the target by all engines
 
     @classmethod
     def load(cls, target_path: str, draft_path: str | None = None) -> ModelRegistry:
@@ -91,6 +113,10 @@ class ModelRegistry:
     @property
     def tokenizer(self) -> Any:
         return self.target.tokenizer
+
+    def model_for(self, engine_name: str) -> GuardedModel:
+        """The target model, callable only while `engine_name` owns it."""
+        return GuardedModel(self, self.target.model, engine_name)
 
     def transfer(self, engine_name: str) -> str | None:
         """Give the model to `engine_name`; returns the previous owner."""

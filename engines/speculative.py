@@ -80,11 +80,11 @@ class SpeculativeEngine:
         cost: CostModel | None = None,
     ) -> None:
         self.registry = registry
-        self.model = registry.target.model
+        self.model = registry.model_for(self.name)
         self.config = config
         self.k_cap = max(config.num_draft_tokens, config.max_draft_tokens)
         draft_model = registry.draft.model if registry.draft else None
-        self.cost = cost or CostModel.measure(self.model, draft_model, self.k_cap + 1)
+        self.cost = cost or CostModel.measure(registry.target.model, draft_model, self.k_cap + 1)
         self.vocab_size = registry.target.vocab_size
         self.pld = PromptLookupDrafter(max_ngram=config.pld_max_ngram)
         self.drafter = (
@@ -191,7 +191,6 @@ class SpeculativeEngine:
     def _prefill_chunk(self, active: _Active) -> None:
         pending = active.tokens[active.cached : -1]
         chunk = mx.array(pending[: self.config.prefill_step_size])
-        self.registry.check_owner(self.name)
         self.model(chunk[None], cache=active.cache)
         mx.eval([c.state for c in active.cache])
         if active.processors:
@@ -201,7 +200,6 @@ class SpeculativeEngine:
 
     def _forward_and_sample(self, active: _Active, tokens: mx.array) -> mx.array:
         """One plain target step on `tokens` (shape (1,)); returns the sampled token."""
-        self.registry.check_owner(self.name)
         logits = self.model(tokens[None], cache=active.cache)[:, -1, :]
         if active.processors:
             active.history = mx.concat([active.history, tokens])
@@ -271,7 +269,6 @@ class SpeculativeEngine:
         params = seq.request.sampling
         k = len(draft.tokens)
         fed = [active.tokens[-1], *draft.tokens]
-        self.registry.check_owner(self.name)
         logits = self.model(mx.array(fed)[None], cache=active.cache)[0]
         logprobs = self._process_rows(active, logits, fed)
         if params.greedy:

@@ -14,5 +14,9 @@ class SchedulerConfig:
     num_draft_tokens: int = 4
     enable_pld: bool = True
     max_queue: int = 256  # requests waiting beyond the running ones; more get QueueFull
+    max_num_seqs: int = 16  # requests decoding at once (the batch size bound)
+    batch_threshold: int = 2  # active requests at which the batched engine takes over
+    batch_return_steps: int = 4  # steps below the threshold before going back
+    batch_prefill_step_size: int = 512  # prefill chunk while batched (bounds others' gaps)
     prefill_step_size: int = 2048
     cost_model: CostModel | None = None  # None: measure verify costs at startup

@@ -3,7 +3,9 @@
 Threading rule: MLX runs only on `_engine_thread`. The asyncio side puts commands
 in `_inbox` under `_wakeup` (a Condition) and receives events through each
 request's `RequestStream` via `loop.call_soon_threadsafe`. The engine thread loop
-is `_run`: drain the inbox, admit waiting requests, run one engine step, publish.
+is `_run`: drain the inbox, let the mode policy pick the engine that owns the model
+(migrating in-flight requests at this step boundary if it changes), admit waiting
+requests, run one step of the owning engine, publish its tokens.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from engines.errors import ContextTooLong, InvalidRequest, QueueFull, ServerNotR
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest
 from engines.sequence import FinishReason, Sequence, StepOutput, make_sequence
+from engines.batched import BatchedEngine
 from engines.speculative import SpecConfig, SpeculativeEngine
 from scheduler.config import SchedulerConfig
+from scheduler.counters import SchedulerCounters
+from scheduler.policy import Mode, ModePolicy
 from scheduler.stream import RequestStream, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -82,7 +87,11 @@ class Scheduler:
         # Engine-thread state:
         self._waiting: deque[_Tracked] = deque()
         self._running: dict[str, _Tracked] = {}
-        self._engine: SpeculativeEngine | None = None
+        self._spec: SpeculativeEngine | None = None
+        self._batched: BatchedEngine | None = None
+        self._mode = Mode.SPECULATIVE
+        self._policy = ModePolicy(config.batch_threshold, config.batch_return_steps)
+        self.counters = SchedulerCounters()
 
     # ---- asyncio side -------------------------------------------------------------
 
@@ -108,7 +117,7 @@ class Scheduler:
         if self.state != SchedulerState.READY or self._stopping:
             raise ServerNotReady(self.error or f"server is {self.state.value}")
         self._validate(request)
-        if self._outstanding >= self.config.max_queue + 1:
+        if self._outstanding >= self.config.max_queue + self.config.max_num_seqs:
             raise QueueFull(f"{self._outstanding} requests in flight; retry shortly")
         loop = asyncio.get_running_loop()
         stream = RequestStream(request.request_id, self.cancel)
@@ -176,7 +185,7 @@ class Scheduler:
             if commands is None:
                 break
             self._apply(commands)
-            self._admit()
+            self._schedule()
             self._step()
         self._abort_all("server is shutting down")
 
@@ -185,7 +194,7 @@ class Scheduler:
         log.info("loading model %s", config.model)
         registry = ModelRegistry.load(config.model, config.draft_model)
         self.registry = registry
-        self._engine = SpeculativeEngine(
+        self._spec = SpeculativeEngine(
             registry,
             SpecConfig(
                 num_draft_tokens=config.num_draft_tokens,
@@ -194,14 +203,30 @@ class Scheduler:
             ),
             cost=config.cost_model,
         )
-        log.info("speculation: %s", self._engine.describe())
-        registry.transfer(self._engine.name)
+        registry.transfer(self._spec.name)
+        log.info("speculation: %s", self._spec.describe())
         self.model_info = ModelInfo(
             path=config.model,
             tokenizer=registry.tokenizer,
             context_length=registry.target.context_length,
             has_draft=registry.draft is not None,
         )
+
+    @property
+    def mode(self) -> Mode:
+        return self._mode
+
+    @property
+    def batched_engine(self) -> BatchedEngine | None:
+        """None until two requests were first active at once (lazy start)."""
+        return self._batched
+
+    @property
+    def speculative_engine(self) -> SpeculativeEngine | None:
+        return self._spec
+
+    def _engine(self) -> SpeculativeEngine | BatchedEngine:
+        return self._spec if self._mode == Mode.SPECULATIVE else self._batched
 
     def _wait_for_work(self) -> list[_Command] | None:
         with self._wakeup:
@@ -226,7 +251,7 @@ class Scheduler:
     def _cancel(self, request_id: str) -> None:
         tracked = self._running.pop(request_id, None)
         if tracked is not None:
-            self._engine.cancel(request_id)
+            self._engine().cancel(request_id)
         else:
             tracked = next((t for t in self._waiting if t.request.request_id == request_id), None)
             if tracked is None:
@@ -234,31 +259,78 @@ class Scheduler:
             self._waiting.remove(tracked)
         self._finish(tracked, FinishReason.CANCELLED)
 
-    def _admit(self) -> None:
-        engine = self._engine
-        while self._waiting and engine.has_capacity:
-            tracked = self._waiting.popleft()
-            tracked.admitted = time.monotonic()
-            try:
-                tracked.seq = make_sequence(tracked.request, self.registry.tokenizer)
-                engine.add(tracked.seq)
-            except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
-                log.exception("request %s could not start", tracked.request.request_id)
-                self._finish(tracked, FinishReason.ERROR, error=str(exc))
-                continue
-            self._running[tracked.request.request_id] = tracked
+    def _schedule(self) -> None:
+        """Pick the mode for this step, migrate at the boundary, then admit."""
+        admissible = min(len(self._waiting), self.config.max_num_seqs - len(self._running))
+        target = self._policy.choose(self._mode, len(self._running) + admissible)
+        if target != self._mode:
+            self._switch(target)
+        engine = self._engine()
+        while self._waiting and len(self._running) < self.config.max_num_seqs:
+            if self._mode == Mode.SPECULATIVE and not engine.has_capacity:
+                break
+            self._start(self._waiting.popleft(), engine)
+
+    def _start(self, tracked: _Tracked, engine) -> None:
+        tracked.admitted = time.monotonic()
+        try:
+            tracked.seq = make_sequence(tracked.request, self.registry.tokenizer)
+            engine.add(tracked.seq)
+        except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
+            log.exception("request %s could not start", tracked.request.request_id)
+            self._finish(tracked, FinishReason.ERROR, error=str(exc))
+            return
+        self._running[tracked.request.request_id] = tracked
+
+    def _switch(self, target: Mode) -> None:
+        """Hand the model to the other engine, carrying in-flight requests with their
+        KV caches. Runs between steps on the engine thread; no forward is in progress."""
+        started = time.perf_counter()
+        source = self._mode
+        migrated = 0
+        if target == Mode.BATCHED:
+            if self._batched is None:
+                self._batched = BatchedEngine(
+                    self.registry, self.config.max_num_seqs, self.config.batch_prefill_step_size
+                )
+                log.info("started the batched engine (first time two requests are active)")
+            if self._spec.active is not None:
+                state, outputs = self._spec.export()
+                for output in outputs:
+                    self._publish(output)
+                if not state.seq.finished:
+                    self.registry.transfer(BatchedEngine.name)
+                    self._batched.insert(state)
+                    migrated = 1
+            self.registry.transfer(BatchedEngine.name)
+        else:
+            remaining = self._batched.active_ids if self._batched else []
+            assert len(remaining) <= 1, "only a single request migrates back"
+            self.registry.transfer(SpeculativeEngine.name)
+            for request_id in remaining:
+                self._spec.resume(self._batched.extract(request_id))
+                migrated += 1
+        self._mode = target
+        seconds = time.perf_counter() - started
+        self.counters.record_switch(source.value, target.value, seconds, migrated)
+        log.info("mode %s -> %s in %.1f ms (%d request migrated)",
+                 source.value, target.value, seconds * 1000, migrated)
 
     def _step(self) -> None:
         if not self._running:
             return
+        engine = self._engine()
         try:
-            outputs = self._engine.step()
+            outputs = engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the requests in this step, keep serving
             log.exception("engine step failed")
             for request_id in list(self._running):
-                self._engine.cancel(request_id)
+                engine.cancel(request_id)
                 self._finish(self._running.pop(request_id), FinishReason.ERROR, error=str(exc))
             return
+        self.counters.steps += 1
+        if self._mode == Mode.BATCHED:
+            self.counters.record_batch(len(self._running))
         for output in outputs:
             self._publish(output)
 

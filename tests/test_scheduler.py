@@ -41,7 +41,7 @@ async def test_cancelling_a_waiting_request_removes_it_without_running(scheduler
 
 
 async def test_queue_bound_refuses_excess_requests(tiny_model_dir, reference):
-    bounded = start_scheduler(tiny_model_dir, max_queue=1)
+    bounded = start_scheduler(tiny_model_dir, max_queue=1, max_num_seqs=1)
     try:
         prompt = reference.tokenizer.encode("Once upon")
         running = bounded.submit(request("a", prompt, 300))

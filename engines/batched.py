@@ -1,0 +1,159 @@
+"""The continuous-batching engine: mlx-lm's `BatchGenerator`, wrapped, not patched.
+
+BatchGenerator owns the batched KV caches, prefill and the decode loop. Around it
+this engine keeps the Tandem side of each sequence: EOS, `max_tokens` and text stop
+sequences are applied by `Sequence.commit` exactly as in the speculative engine
+(BatchGenerator gets no stop tokens of its own), per-request samplers that reuse one
+callable per distinct unseeded parameter set (BatchGenerator samples rows that share
+a sampler object in one call), and the hand-over of sequences in and out with their
+KV caches (`insert` / `extract`), so migration never re-prefills.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from engines.registry import ModelRegistry
+from engines.request import SamplingParams
+from engines.sampling import RandomStream, make_token_processors, sampling_logits
+from engines.sequence import FinishReason, Sequence, StepOutput
+from engines.speculative import SequenceState
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+def greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+class SamplerPool:
+    """One sampler per distinct unseeded parameter set (so rows batch together);
+    a seeded request gets its own sampler drawing from its own key chain."""
+
+    def __init__(self) -> None:
+        self._shared: dict[SamplingParams, Sampler] = {}
+
+    def sampler_for(self, seq: Sequence) -> Sampler:
+        params = seq.request.sampling
+        if params.greedy:
+            return greedy
+        if params.seed is not None:
+            return _make_sampler(params, seq.rng)
+        key = replace(params, seed=None)
+        if key not in self._shared:
+            self._shared[key] = _make_sampler(params, RandomStream.from_seed(None))
+        return self._shared[key]
+
+
+def _make_sampler(params: SamplingParams, rng: RandomStream) -> Sampler:
+    def sample(logprobs: mx.array) -> mx.array:
+        return mx.random.categorical(sampling_logits(params, logprobs), key=rng.next_key())
+
+    return sample
+
+
+class BatchedEngine:
+    name = "batched"
+
+    def __init__(
+        self, registry: ModelRegistry, max_batch_size: int = 16, prefill_step_size: int = 512
+    ) -> None:
+        self.registry = registry
+        self.model = registry.model_for(self.name)
+        self.generator = BatchGenerator(
+            self.model,
+            completion_batch_size=max_batch_size,
+            prefill_batch_size=min(8, max_batch_size),
+            prefill_step_size=prefill_step_size,
+        )
+        self.samplers = SamplerPool()
+        self._seqs: dict[int, Sequence] = {}  # uid -> sequence
+        self._uids: dict[str, int] = {}  # request id -> uid
+        self._gates: dict[str, dict] = {}  # speculative state parked while batched
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def active_ids(self) -> list[str]:
+        return list(self._uids)
+
+    def add(self, seq: Sequence) -> None:
+        self.insert(SequenceState(seq, make_prompt_cache(self.model), 0))
+
+    def insert(self, state: SequenceState) -> None:
+        """Join the batch with the cache as it is: only uncached tokens are fed."""
+        seq = state.seq
+        tokens = seq.all_tokens
+        remaining = seq.request.max_tokens - len(seq.generated)
+        (uid,) = self.generator.insert(
+            [tokens[state.cached :]],
+            max_tokens=[remaining + 1],  # Sequence.commit finishes it first
+            caches=[state.cache],
+            all_tokens=[tokens[: state.cached]],
+            samplers=[self.samplers.sampler_for(seq)],
+            logits_processors=[make_token_processors(seq.request.sampling)],
+            stop_sequences=[StopSequences()],
+        )
+        self._seqs[uid] = seq
+        self._uids[seq.request_id] = uid
+        if state.gates is not None:
+            self._gates[seq.request_id] = state.gates
+
+    def extract(self, request_id: str) -> SequenceState:
+        """Leave the batch with the KV cache of every committed token but the last."""
+        uid = self._uids.pop(request_id)
+        seq = self._seqs.pop(uid)
+        cache, cached_tokens = self.generator.remove([uid], return_prompt_caches=True)[uid]
+        cached = len(cached_tokens)
+        if cached >= len(seq.all_tokens):
+            # BatchGenerator already fed the newest token (its successor was sampled
+            # ahead and is dropped); trim it so the next engine feeds it again.
+            trim_prompt_cache(cache, cached - len(seq.all_tokens) + 1)
+            cached = len(seq.all_tokens) - 1
+        return SequenceState(seq, cache, cached, self._gates.pop(request_id, None))
+
+    def cancel(self, request_id: str) -> bool:
+        uid = self._uids.pop(request_id, None)
+        if uid is None:
+            return False
+        seq = self._seqs.pop(uid)
+        seq.finish_reason = FinishReason.CANCELLED
+        self.generator.remove([uid])
+        self._gates.pop(request_id, None)
+        return True
+
+    def step(self) -> list[StepOutput]:
+        """One BatchGenerator step: a prefill chunk for new sequences and/or one token
+        for every decoding sequence."""
+        _, responses = self.generator.next()
+        outputs = []
+        for response in responses:
+            seq = self._seqs.get(response.uid)
+            if seq is None:
+                continue
+            text = seq.commit(response.token)
+            outputs.append(
+                StepOutput(
+                    seq.request_id, [response.token], text, seq.finish_reason, seq.matched_stop
+                )
+            )
+            if seq.finished:
+                self._forget(response.uid, seq, still_in_generator=response.finish_reason is None)
+        return outputs
+
+    def _forget(self, uid: int, seq: Sequence, still_in_generator: bool) -> None:
+        del self._seqs[uid]
+        del self._uids[seq.request_id]
+        self._gates.pop(seq.request_id, None)
+        if still_in_generator:
+            self.generator.remove([uid])
+
+    def close(self) -> None:
+        self.generator.close()

@@ -1,9 +1,10 @@
 """Benchmark models: named shortcuts for the models our speed claims use.
 
 `wide-stories` is the real stories260K widened (zero-padded) to ~95M parameters: the
-same text at a realistic per-token cost (see `bench/widen.py`). `random-100m` is a ~100M-parameter random Llama (12 layers, hidden 768) with the
-demo tokenizer: its per-token cost is realistic for this CPU, which the tiny real
-TinyStories models (~0.3M parameters) cannot show.
+same text at a realistic per-token cost (see `bench/widen.py`); `wide-salty` is the
+same for the weaker saltyduckegg model. `random-100m` is a ~100M-parameter random
+Llama (12 layers, hidden 768) with the demo tokenizer. The tiny real TinyStories
+models (~0.3M parameters) alone cannot show speed: their steps are all overhead.
 """
 
 from __future__ import annotations

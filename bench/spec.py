@@ -62,8 +62,12 @@ def run_tandem(engine, prompt_ids, max_tokens, overrides) -> tuple[float, list[i
     from engines.sequence import make_sequence
 
     request = GenerationRequest(
-        "bench", tuple(prompt_ids), max_tokens, SamplingParams(temperature=0.0),
-        ignore_eos=True, speculation=overrides,
+        "bench",
+        tuple(prompt_ids),
+        max_tokens,
+        SamplingParams(temperature=0.0),
+        ignore_eos=True,
+        speculation=overrides,
     )
     seq = make_sequence(request, engine.registry.tokenizer)
     engine.add(seq)
@@ -114,11 +118,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"model   {args.model} -> {model_path}")
     print(f"draft   {args.draft_model} -> {draft_path}")
-    print(f"device  {mx.default_device()}  BLAS {describe_blas()}  "
-          f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r}")
+    print(
+        f"device  {mx.default_device()}  BLAS {describe_blas()}  "
+        f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r}"
+    )
     print(f"engine  {engine.describe()}")
-    print(f"run     greedy, max_tokens={args.max_tokens}, repeats={args.repeats}, "
-          f"k<={args.num_draft_tokens}")
+    print(
+        f"run     greedy, max_tokens={args.max_tokens}, repeats={args.repeats}, "
+        f"k<={args.num_draft_tokens}"
+    )
 
     results: dict[str, dict[str, Result]] = {}
     for set_name in args.sets.split(","):
@@ -160,8 +168,11 @@ def report(results: dict[str, dict[str, Result]], json_path: Path | None) -> dic
             flag = f"  MISMATCH x{result.mismatches}" if result.mismatches else ""
             print(f"{set_name:8} {config:10} {rate:8.1f} {rate / base:9.2f}x  {acceptance}{flag}")
             table.setdefault(set_name, {})[config] = {
-                "tok_s": rate, "ratio_vs_mlx_lm": rate / base, "runs": result.rates,
-                "drafted": result.drafted, "accepted": result.accepted,
+                "tok_s": rate,
+                "ratio_vs_mlx_lm": rate / base,
+                "runs": result.rates,
+                "drafted": result.drafted,
+                "accepted": result.accepted,
                 "greedy_mismatches": result.mismatches,
             }
     if json_path:

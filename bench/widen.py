@@ -33,8 +33,10 @@ def _pad_vector(vector: mx.array, size: int) -> mx.array:
 
 def widen(src: Path, out: Path, hidden: int, intermediate: int, layers: int) -> Path:
     config = json.loads((src / "config.json").read_text())
-    h, n_heads, n_kv = config["hidden_size"], config["num_attention_heads"], config.get(
-        "num_key_value_heads", config["num_attention_heads"]
+    h, n_heads, n_kv = (
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config.get("num_key_value_heads", config["num_attention_heads"]),
     )
     head_dim = config.get("head_dim") or h // n_heads
     assert hidden % head_dim == 0 and hidden >= h and layers >= config["num_hidden_layers"]

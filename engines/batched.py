@@ -75,6 +75,7 @@ class BatchedEngine:
         self._seqs: dict[int, Sequence] = {}  # uid -> sequence
         self._uids: dict[str, int] = {}  # request id -> uid
         self._gates: dict[str, dict] = {}  # speculative state parked while batched
+        self.released: list[SequenceState] = []  # finished sequences' caches, for reuse
 
     @property
     def batch_size(self) -> int:
@@ -105,6 +106,8 @@ class BatchedEngine:
         self._uids[seq.request_id] = uid
         if state.gates is not None:
             self._gates[seq.request_id] = state.gates
+
+    admit = insert
 
     def extract(self, request_id: str) -> SequenceState:
         """Leave the batch with the KV cache of every committed token but the last."""
@@ -153,7 +156,8 @@ class BatchedEngine:
         del self._uids[seq.request_id]
         self._gates.pop(seq.request_id, None)
         if still_in_generator:
-            self.generator.remove([uid])
+            cache, tokens = self.generator.remove([uid], return_prompt_caches=True)[uid]
+            self.released.append(SequenceState(seq, cache, len(tokens)))
 
     def close(self) -> None:
         self.generator.close()

@@ -98,6 +98,7 @@ class SpeculativeEngine:
         )
         self.totals = SpecStats()  # lifetime counters for /metrics
         self.active: _Active | None = None
+        self.released: list[SequenceState] = []  # finished sequences' caches, for reuse
 
     def describe(self) -> str:
         methods = (["pld"] if self.config.enable_pld else []) + (["draft"] if self.drafter else [])
@@ -132,6 +133,8 @@ class SpeculativeEngine:
             active.history = mx.array(active.tokens[: state.cached], dtype=mx.int32)
         active.gates = state.gates if state.gates is not None else self._initial_gates(seq)
         self.active = active
+
+    admit = resume
 
     def export(self) -> tuple[SequenceState, list[StepOutput]]:
         """Hand the sequence over at a step boundary. A plain token already in flight
@@ -332,13 +335,22 @@ class SpeculativeEngine:
         seq = self.active.seq
         output.finish_reason, output.matched_stop = seq.finish_reason, seq.matched_stop
         if seq.finished:
-            self._release()
+            self._release(keep_cache=True)
         elif len(seq.generated) % 256 < len(output.token_ids):
             mx.clear_cache()
         return [output]
 
-    def _release(self) -> None:
-        self.active = None
+    def _release(self, keep_cache: bool = False) -> None:
+        """Drop the active sequence; a finished one leaves its cache in `released`,
+        trimmed to the committed tokens it holds (a stop can end a run early)."""
+        active, self.active = self.active, None
+        if not keep_cache or active.in_flight is not None:
+            return
+        committed = len(active.tokens)
+        if active.cached > committed:
+            trim_prompt_cache(active.cache, active.cached - committed)
+            active.cached = committed
+        self.released.append(SequenceState(active.seq, active.cache, active.cached))
 
 
 def _pad_vocab(probs: mx.array, vocab_size: int) -> mx.array:

@@ -18,5 +18,7 @@ class SchedulerConfig:
     batch_threshold: int = 2  # active requests at which the batched engine takes over
     batch_return_steps: int = 4  # steps below the threshold before going back
     batch_prefill_step_size: int = 512  # prefill chunk while batched (bounds others' gaps)
+    prefix_cache_entries: int = 16  # finished requests' KV caches kept for reuse (0: off)
+    prefix_cache_bytes: int = 2 << 30
     prefill_step_size: int = 2048
     cost_model: CostModel | None = None  # None: measure verify costs at startup

@@ -12,6 +12,8 @@ class SchedulerCounters:
     migrated_requests: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)  # batch size -> steps
     steps: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of which served from it
 
     def record_switch(self, source: str, target: str, seconds: float, migrated: int) -> None:
         key = (source, target)

@@ -19,12 +19,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_lm.models.cache import make_prompt_cache
+
+from engines.batched import BatchedEngine
 from engines.errors import ContextTooLong, InvalidRequest, QueueFull, ServerNotReady
+from engines.prefix_cache import PrefixCache
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest
 from engines.sequence import FinishReason, Sequence, StepOutput, make_sequence
-from engines.batched import BatchedEngine
-from engines.speculative import SpecConfig, SpeculativeEngine
+from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
 from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
 from scheduler.policy import Mode, ModePolicy
@@ -62,6 +65,7 @@ class _Tracked:
     admitted: float | None = None
     first_token: float | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -91,6 +95,11 @@ class Scheduler:
         self._batched: BatchedEngine | None = None
         self._mode = Mode.SPECULATIVE
         self._policy = ModePolicy(config.batch_threshold, config.batch_return_steps)
+        self._prefix = (
+            PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)
+            if config.prefix_cache_entries > 0
+            else None
+        )
         self.counters = SchedulerCounters()
 
     # ---- asyncio side -------------------------------------------------------------
@@ -272,10 +281,18 @@ class Scheduler:
             self._start(self._waiting.popleft(), engine)
 
     def _start(self, tracked: _Tracked, engine) -> None:
+        """Start a request in `engine`, from the longest cached prefix of its prompt."""
         tracked.admitted = time.monotonic()
+        prompt = list(tracked.request.prompt_tokens)
         try:
             tracked.seq = make_sequence(tracked.request, self.registry.tokenizer)
-            engine.add(tracked.seq)
+            cache, cached = self._prefix.lookup(prompt) if self._prefix else (None, 0)
+            if cache is None:
+                cache, cached = make_prompt_cache(self.registry.target.model), 0
+            tracked.cached_tokens = cached
+            self.counters.prefix_queries += len(prompt)
+            self.counters.prefix_hits += cached
+            engine.admit(SequenceState(tracked.seq, cache, cached))
         except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
             log.exception("request %s could not start", tracked.request.request_id)
             self._finish(tracked, FinishReason.ERROR, error=str(exc))
@@ -313,8 +330,13 @@ class Scheduler:
         self._mode = target
         seconds = time.perf_counter() - started
         self.counters.record_switch(source.value, target.value, seconds, migrated)
-        log.info("mode %s -> %s in %.1f ms (%d request migrated)",
-                 source.value, target.value, seconds * 1000, migrated)
+        log.info(
+            "mode %s -> %s in %.1f ms (%d request migrated)",
+            source.value,
+            target.value,
+            seconds * 1000,
+            migrated,
+        )
 
     def _step(self) -> None:
         if not self._running:
@@ -333,6 +355,14 @@ class Scheduler:
             self.counters.record_batch(len(self._running))
         for output in outputs:
             self._publish(output)
+        self._keep_finished_caches(engine)
+
+    def _keep_finished_caches(self, engine) -> None:
+        for state in engine.released:
+            if self._prefix is not None:
+                cached = min(state.cached, len(state.seq.all_tokens))
+                self._prefix.store(state.seq.all_tokens[:cached], state.cache)
+        engine.released.clear()
 
     def _publish(self, output: StepOutput) -> None:
         tracked = self._running.get(output.request_id)
@@ -398,6 +428,7 @@ class Scheduler:
             text=text,
             prompt_tokens=len(tracked.request.prompt_tokens),
             completion_tokens=tracked.completion_tokens,
+            cached_tokens=tracked.cached_tokens,
             **kw,
         )
 

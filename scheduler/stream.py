@@ -24,6 +24,7 @@ class TokenEvent:
     text: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finish_reason: FinishReason | None = None
     matched_stop: str | None = None
     error: str | None = None

@@ -22,4 +22,5 @@ def usage(event: TokenEvent) -> dict[str, int]:
         "prompt_tokens": event.prompt_tokens,
         "completion_tokens": event.completion_tokens,
         "total_tokens": event.prompt_tokens + event.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": event.cached_tokens},
     }

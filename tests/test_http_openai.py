@@ -92,7 +92,14 @@ async def test_streamed_text_concatenated_equals_non_streamed(client, endpoint):
     assert text == expected
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert chunks[-1]["choices"] == []
+    streamed_usage, whole_usage = chunks[-1]["usage"], whole["usage"]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert streamed_usage[key] == whole_usage[key]
+    # The second request reuses the first one's prompt from the prefix cache.
+    assert (
+        streamed_usage["prompt_tokens_details"]["cached_tokens"] == whole_usage["prompt_tokens"] - 1
+    )
 
 
 async def test_stop_sequence_cuts_output_with_finish_reason_stop(client, reference):

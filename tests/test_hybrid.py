@@ -1,0 +1,161 @@
+"""The hybrid scheduler: one request -> speculative engine, two or more -> batched
+engine, and back; requests migrate with their KV caches and never lose, repeat or
+re-prefill a token; only the owning engine ever runs the model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engines.registry import OwnershipError
+from engines.request import GenerationRequest, SamplingParams
+from engines.sequence import FinishReason
+from scheduler.policy import Mode, ModePolicy
+from tests.conftest import start_scheduler
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [
+    "Once upon a time there was a robot",
+    "def add(a, b):\n    return a + b\n",
+    "Hello, world! How are you today?",
+    "The weather in the mountains changes quickly",
+    "import json, os, sys",
+    "A stitch in time saves nine.",
+    "Numbers: 0 1 2 3 4 5",
+    "Please repeat the following text exactly",
+]
+
+
+def request(rid: str, prompt_ids: list[int], max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(rid, tuple(prompt_ids), max_tokens, GREEDY, ignore_eos=True)
+
+
+async def tokens_of(stream) -> list[int]:
+    return [t for event in await stream.collect() for t in event.token_ids]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_model_dir, perturbed_draft_dir):
+    scheduler = start_scheduler(tiny_model_dir, draft_model=str(perturbed_draft_dir))
+    yield scheduler
+    scheduler.stop()
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+async def test_concurrent_greedy_requests_each_equal_their_solo_output(hybrid, reference, n):
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:n]]
+    lengths = [40 + 17 * i for i in range(n)]
+    streams = [
+        hybrid.submit(request(f"n{n}-{i}", p, m))
+        for i, (p, m) in enumerate(zip(prompts, lengths, strict=True))
+    ]
+    results = await asyncio.gather(*(tokens_of(s) for s in streams))
+    for prompt, length, tokens in zip(prompts, lengths, results, strict=True):
+        assert tokens == reference.greedy_tokens(prompt, length)
+    assert hybrid.batched_engine is not None
+    assert hybrid.counters.mode_switches.get(("speculative", "batched"), 0) >= 1
+
+
+async def test_streaming_request_survives_others_joining_and_leaving(hybrid, reference):
+    long_prompt = reference.tokenizer.encode(PROMPTS[0])
+    expected = reference.greedy_tokens(long_prompt, 300)
+    switches_before = dict(hybrid.counters.mode_switches)
+    long_stream = hybrid.submit(request("long", long_prompt, 300))
+    received: list[int] = []
+    others = []
+    async for event in long_stream:
+        received.extend(event.token_ids)
+        if len(received) >= 30 and not others:
+            assert hybrid.mode == Mode.SPECULATIVE, "alone, it must be speculative"
+            for i, text in enumerate(PROMPTS[1:4]):
+                ids = reference.tokenizer.encode(text)
+                others.append((ids, hybrid.submit(request(f"join-{i}", ids, 40))))
+            joined = await asyncio.gather(*(tokens_of(s) for _, s in others))
+            for (ids, _), tokens in zip(others, joined, strict=True):
+                assert tokens == reference.greedy_tokens(ids, 40)
+    assert received == expected, "no token lost, repeated or changed across the switches"
+    switches = hybrid.counters.mode_switches
+    assert switches[("speculative", "batched")] > switches_before.get(("speculative", "batched"), 0)
+    assert switches[("batched", "speculative")] > switches_before.get(("batched", "speculative"), 0)
+    assert hybrid.mode == Mode.SPECULATIVE
+
+
+async def test_migration_never_reprefills(tiny_model_dir, reference):
+    scheduler = start_scheduler(tiny_model_dir, num_draft_tokens=0, enable_pld=False)
+    try:
+        registry = scheduler.registry
+        long_prompt = reference.tokenizer.encode(PROMPTS[1] * 12)
+        assert len(long_prompt) > 150
+        before = registry.tokens_processed
+        first = scheduler.submit(request("a", long_prompt, 120))
+        await asyncio.sleep(0.05)
+        short = reference.tokenizer.encode(PROMPTS[2])
+        second = scheduler.submit(request("b", short, 30))
+        a, b = await asyncio.gather(tokens_of(first), tokens_of(second))
+        assert a == reference.greedy_tokens(long_prompt, 120)
+        switches = sum(scheduler.counters.mode_switches.values())
+        assert switches >= 2
+        useful = len(long_prompt) + 120 + len(short) + 30
+        slack = 4 * 2 + 2 * switches  # lookahead tokens sampled ahead and dropped
+        assert registry.tokens_processed - before <= useful + slack
+    finally:
+        scheduler.stop()
+
+
+async def test_only_the_owner_runs_the_model(hybrid, reference):
+    registry = hybrid.registry
+    guard = registry.model_for("someone-else")
+    with pytest.raises(OwnershipError):
+        guard(__import__("mlx.core").core.array([[1, 2]]))
+    # A full run with switching in both directions raised nothing (requests finish).
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:3]]
+    streams = [hybrid.submit(request(f"own-{i}", p, 30)) for i, p in enumerate(prompts)]
+    for events in await asyncio.gather(*(s.collect() for s in streams)):
+        assert events[-1].finish_reason == FinishReason.LENGTH
+
+
+async def test_batched_engine_is_not_started_by_sequential_requests(tiny_model_dir, reference):
+    scheduler = start_scheduler(tiny_model_dir)
+    try:
+        for text in PROMPTS[:3]:
+            await tokens_of(
+                scheduler.submit(request(text[:5], reference.tokenizer.encode(text), 20))
+            )
+        assert scheduler.batched_engine is None
+        assert scheduler.counters.mode_switches == {}
+    finally:
+        scheduler.stop()
+
+
+async def test_cancelling_one_batched_request_leaves_the_others_exact(hybrid, reference):
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:4]]
+    streams = [hybrid.submit(request(f"c-{i}", p, 80)) for i, p in enumerate(prompts)]
+    victim = streams[1]
+    async for event in victim:
+        if event.completion_tokens >= 5:
+            break
+    victim.cancel()
+    survivors = [0, 2, 3]
+    results = await asyncio.gather(*(tokens_of(streams[i]) for i in survivors))
+    for i, tokens in zip(survivors, results, strict=True):
+        assert tokens == reference.greedy_tokens(prompts[i], 80)
+
+
+async def test_seeded_sampling_continues_across_migration(hybrid, reference):
+    prompt = reference.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(temperature=0.8, seed=5)
+    stream = hybrid.submit(GenerationRequest("s", tuple(prompt), 60, params, ignore_eos=True))
+    other = hybrid.submit(request("s-other", reference.tokenizer.encode(PROMPTS[3]), 20))
+    tokens, _ = await asyncio.gather(tokens_of(stream), tokens_of(other))
+    assert len(tokens) == 60 and all(0 <= t < len(reference.tokenizer) for t in tokens)
+
+
+def test_policy_has_hysteresis():
+    policy = ModePolicy(batch_threshold=2, return_steps=3)
+    mode = policy.choose(Mode.SPECULATIVE, 2)
+    assert mode == Mode.BATCHED
+    assert policy.choose(mode, 1) == Mode.BATCHED
+    assert policy.choose(mode, 1) == Mode.BATCHED
+    assert policy.choose(mode, 1) == Mode.SPECULATIVE
+    assert policy.choose(Mode.BATCHED, 0) == Mode.SPECULATIVE

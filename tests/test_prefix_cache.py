@@ -1,0 +1,115 @@
+"""Prefix reuse: a repeated system prompt or a multi-turn chat skips the prefill of
+what an earlier request already computed, in both engines, with unchanged output."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from mlx_lm import generate
+
+from engines.prefix_cache import PrefixCache
+from engines.request import GenerationRequest, SamplingParams
+from tests.conftest import make_client, start_scheduler
+
+SYSTEM = "You are a careful assistant. Answer briefly and never repeat yourself. " * 3
+
+
+@pytest.fixture
+def fresh_scheduler(tiny_model_dir):
+    scheduler = start_scheduler(tiny_model_dir)
+    yield scheduler
+    scheduler.stop()
+
+
+def chat(user: str, *history: dict) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": user}]
+
+
+async def test_repeated_system_prompt_is_served_from_cache(fresh_scheduler, reference):
+    registry = fresh_scheduler.registry
+    async with make_client(fresh_scheduler) as client:
+        first = await client.post(
+            "/v1/chat/completions",
+            json={"messages": chat("Say hi."), "max_tokens": 8, "temperature": 0},
+        )
+        assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        before = registry.tokens_processed
+        messages = chat("Say bye.")
+        second = await client.post(
+            "/v1/chat/completions",
+            json={"messages": messages, "max_tokens": 8, "temperature": 0},
+        )
+    usage = second.json()["usage"]
+    system_tokens = len(reference.tokenizer.encode(SYSTEM))
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= system_tokens
+    fed = registry.tokens_processed - before
+    drafted = second.json()["speculation"]["draft_tokens"]
+    uncached = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+    assert fed <= uncached + usage["completion_tokens"] + drafted + 1
+    prompt = reference.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    expected = generate(reference.model, reference.tokenizer, prompt, max_tokens=8)
+    assert second.json()["choices"][0]["message"]["content"] == expected
+
+
+async def test_multi_turn_chat_reuses_the_previous_turn(fresh_scheduler, reference):
+    async with make_client(fresh_scheduler) as client:
+        turn1 = chat("Tell me a story.")
+        r1 = await client.post(
+            "/v1/chat/completions",
+            json={"messages": turn1, "max_tokens": 12, "temperature": 0},
+        )
+        reply = r1.json()["choices"][0]["message"]["content"]
+        turn2 = chat(
+            "Another one.",
+            {"role": "user", "content": "Tell me a story."},
+            {"role": "assistant", "content": reply},
+        )
+        turn2 = [turn2[0], *turn2[1:]]
+        r2 = await client.post(
+            "/v1/chat/completions",
+            json={"messages": turn2, "max_tokens": 12, "temperature": 0},
+        )
+    cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= r1.json()["usage"]["prompt_tokens"] - 1
+
+
+async def test_batched_requests_hit_the_cache_too(fresh_scheduler, reference):
+    system_ids = reference.tokenizer.encode(SYSTEM)
+    greedy = SamplingParams(temperature=0.0)
+
+    def request(rid: str, suffix: str) -> GenerationRequest:
+        ids = system_ids + reference.tokenizer.encode(suffix, add_special_tokens=False)
+        return GenerationRequest(rid, tuple(ids), 20, greedy, ignore_eos=True)
+
+    await fresh_scheduler.submit(request("warm", " first")).collect()
+    streams = [fresh_scheduler.submit(request(f"b{i}", f" question {i}")) for i in range(3)]
+    results = await asyncio.gather(*(s.collect() for s in streams))
+    assert fresh_scheduler.batched_engine is not None
+    for i, events in enumerate(results):
+        assert events[-1].cached_tokens >= len(system_ids) - 1
+        tokens = [t for e in events for t in e.token_ids]
+        prompt = list(request("x", f" question {i}").prompt_tokens)
+        assert tokens == reference.greedy_tokens(prompt, 20)
+
+
+def test_lookup_always_leaves_one_token_to_feed(tiny_model_dir, reference):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = PrefixCache(max_entries=2)
+    kv = make_prompt_cache(reference.model)
+    tokens = reference.tokenizer.encode("Once upon a time")
+    import mlx.core as mx
+
+    reference.model(mx.array(tokens)[None], cache=kv)
+    cache.store(tokens, kv)
+    hit, cached = cache.lookup(tokens)
+    assert cached == len(tokens) - 1 and hit[0].offset == len(tokens) - 1
+    other = reference.tokenizer.encode("Completely different")
+    common = next(i for i, (a, b) in enumerate(zip(tokens, other, strict=False)) if a != b)
+    assert common == 1, "only BOS is shared"
+    partial, cached = cache.lookup(other)
+    assert cached == common and partial[0].offset == common
+    assert cache.lookup([9999, 1, 2]) == (None, 0)

@@ -48,6 +48,30 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest max_tokens a request may ask for (also the default)",
     )
     parser.add_argument("--max-queue", type=int, default=256, help="bound on waiting requests")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=16, help="requests decoding at once (batch size bound)"
+    )
+    parser.add_argument(
+        "--batch-threshold",
+        type=int,
+        default=2,
+        help="active requests at which continuous batching takes over from speculation",
+    )
+    parser.add_argument(
+        "--batch-return-steps",
+        type=int,
+        default=4,
+        help="steps below the threshold before returning to speculation (hysteresis)",
+    )
+    parser.add_argument(
+        "--prefix-cache-entries",
+        type=int,
+        default=16,
+        help="finished requests' KV caches kept for prefix reuse (0 disables)",
+    )
+    parser.add_argument(
+        "--prefix-cache-gb", type=float, default=2.0, help="memory bound of the prefix cache"
+    )
     parser.add_argument("--served-model-name", help="model id clients use (default: dir name)")
     parser.add_argument(
         "--no-blas-preload",
@@ -63,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(commands.add_parser("serve", help="run the HTTP server"))
+    bench = commands.add_parser("bench", help="benchmarks (tandem bench --help)", add_help=False)
+    bench.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -88,6 +114,11 @@ def build_config(args: argparse.Namespace):
             num_draft_tokens=args.num_draft_tokens,
             enable_pld=not args.no_pld,
             max_queue=args.max_queue,
+            max_num_seqs=args.max_num_seqs,
+            batch_threshold=args.batch_threshold,
+            batch_return_steps=args.batch_return_steps,
+            prefix_cache_entries=args.prefix_cache_entries,
+            prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)),
         ),
         served_model_name=name,
         host=args.host,
@@ -135,9 +166,15 @@ def _device_name() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # bench parses its own arguments, --help included
+        from bench.cli import main as bench_main
+
+        bench_main(argv[1:])
+        return
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
+        level=getattr(logging, getattr(args, "log_level", "info").upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )

@@ -159,3 +159,36 @@ def test_policy_has_hysteresis():
     assert policy.choose(mode, 1) == Mode.BATCHED
     assert policy.choose(mode, 1) == Mode.SPECULATIVE
     assert policy.choose(Mode.BATCHED, 0) == Mode.SPECULATIVE
+
+
+async def test_queue_bound_gives_503_quickly_and_the_rest_complete(tiny_model_dir):
+    import time
+
+    from tests.conftest import make_client
+
+    scheduler = start_scheduler(tiny_model_dir, max_num_seqs=2, max_queue=1)
+    try:
+        async with make_client(scheduler) as client:
+            payload = {
+                "prompt": "Once upon a time",
+                "max_tokens": 150,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+
+            async def post():
+                started = time.monotonic()
+                response = await client.post("/v1/completions", json=payload)
+                return response, time.monotonic() - started
+
+            results = await asyncio.gather(*(post() for _ in range(6)))
+        ok = [r for r, _ in results if r.status_code == 200]
+        refused = [(r, t) for r, t in results if r.status_code == 503]
+        assert len(ok) == 3 and len(refused) == 3
+        for response, seconds in refused:
+            assert response.headers["retry-after"]
+            assert response.json()["error"]["type"] == "server_overloaded"
+            assert seconds < 1.0
+        assert all(r.json()["usage"]["completion_tokens"] == 150 for r in ok)
+    finally:
+        scheduler.stop()

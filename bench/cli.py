@@ -1,0 +1,28 @@
+"""`tandem bench ...`: the benchmark commands.
+
+tandem bench spec MODEL ...     in-process speculative speed-up suite (bench/spec.py)
+tandem bench single ...         one server process vs mlx-lm, single stream
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str]) -> None:
+    commands = {
+        "spec": "bench.spec",
+        "single": "bench.single_stream",
+    }
+    if not argv or argv[0] not in commands:
+        print(__doc__)
+        raise SystemExit(2)
+    module = __import__(commands[argv[0]], fromlist=["main"])
+    sys.argv = [f"tandem bench {argv[0]}", *argv[1:]]
+    module.main(argv[1:]) if _takes_argv(module.main) else module.main()
+
+
+def _takes_argv(function) -> bool:
+    import inspect
+
+    return bool(inspect.signature(function).parameters)

@@ -27,3 +27,7 @@ class DraftIncompatible(TandemError):
 
 class RequestFailed(TandemError):
     """Serving one request raised; only that request fails."""
+
+
+class RequestAborted(TandemError):
+    """The server ended the request itself (shutdown, timeout, engine failure)."""

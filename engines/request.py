@@ -48,3 +48,4 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     speculation: SpeculationOverrides = field(default_factory=SpeculationOverrides)
+    surface: str = ""  # which API asked (for logs and metrics only)

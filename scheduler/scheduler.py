@@ -16,9 +16,10 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from engines.batched import BatchedEngine
@@ -28,8 +29,10 @@ from engines.registry import ModelRegistry
 from engines.request import GenerationRequest
 from engines.sequence import FinishReason, Sequence, StepOutput, make_sequence
 from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
+from engines.telemetry import SpecStats
 from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
+from scheduler.observer import NullObserver, RequestRecord, SchedulerObserver, log_request
 from scheduler.policy import Mode, ModePolicy
 from scheduler.stream import RequestStream, TokenEvent
 
@@ -64,8 +67,10 @@ class _Tracked:
     seq: Sequence | None = None
     admitted: float | None = None
     first_token: float | None = None
+    last_token: float | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    modes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -76,8 +81,9 @@ class _Command:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, observer: SchedulerObserver | None = None) -> None:
         self.config = config
+        self.observer: SchedulerObserver = observer or NullObserver()
         self.state = SchedulerState.LOADING
         self.error: str | None = None
         self.model_info: ModelInfo | None = None
@@ -101,6 +107,8 @@ class Scheduler:
             else None
         )
         self.counters = SchedulerCounters()
+        self.memory: dict[str, int] = {}
+        self._memory_sampled = 0.0
 
     # ---- asyncio side -------------------------------------------------------------
 
@@ -120,6 +128,14 @@ class Scheduler:
     @property
     def num_outstanding(self) -> int:
         return self._outstanding
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Admit a request and return its event stream (call on the event loop)."""
@@ -189,14 +205,34 @@ class Scheduler:
             return
         self.state = SchedulerState.READY
         self._ready.set()
-        while True:
-            commands = self._wait_for_work()
-            if commands is None:
-                break
-            self._apply(commands)
-            self._schedule()
-            self._step()
+        try:
+            while True:
+                commands = self._wait_for_work()
+                if commands is None:
+                    break
+                self._apply(commands)
+                self._schedule()
+                self._step()
+                self._sample_memory()
+        except Exception as exc:  # noqa: BLE001 - the loop itself broke: report, fail all
+            log.exception("engine loop failed; the server must be restarted")
+            self.error = f"engine failed: {exc}"
+            self.state = SchedulerState.FAILED
+            self._abort_all(self.error)
+            return
         self._abort_all("server is shutting down")
+
+    def _sample_memory(self, every_s: float = 0.5) -> None:
+        """MLX memory, read on the engine thread (the only thread that touches MLX)."""
+        now = time.monotonic()
+        if now - self._memory_sampled < every_s:
+            return
+        self._memory_sampled = now
+        self.memory = {
+            "active": mx.get_active_memory(),
+            "cache": mx.get_cache_memory(),
+            "peak": mx.get_peak_memory(),
+        }
 
     def _load(self) -> None:
         config = self.config
@@ -293,6 +329,7 @@ class Scheduler:
             self.counters.prefix_queries += len(prompt)
             self.counters.prefix_hits += cached
             engine.admit(SequenceState(tracked.seq, cache, cached))
+            tracked.modes.append(self._mode.value)
         except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
             log.exception("request %s could not start", tracked.request.request_id)
             self._finish(tracked, FinishReason.ERROR, error=str(exc))
@@ -328,7 +365,11 @@ class Scheduler:
                 self._spec.resume(self._batched.extract(request_id))
                 migrated += 1
         self._mode = target
+        for tracked in self._running.values():
+            if tracked.modes[-1:] != [target.value]:
+                tracked.modes.append(target.value)
         seconds = time.perf_counter() - started
+        self.observer.on_mode_switch(source.value, target.value, seconds)
         self.counters.record_switch(source.value, target.value, seconds, migrated)
         log.info(
             "mode %s -> %s in %.1f ms (%d request migrated)",
@@ -353,6 +394,7 @@ class Scheduler:
         self.counters.steps += 1
         if self._mode == Mode.BATCHED:
             self.counters.record_batch(len(self._running))
+            self.observer.on_batch_step(len(self._running))
         for output in outputs:
             self._publish(output)
         self._keep_finished_caches(engine)
@@ -369,8 +411,13 @@ class Scheduler:
         if tracked is None:
             return
         now = time.monotonic()
-        if tracked.first_token is None and output.token_ids:
-            tracked.first_token = now
+        if output.token_ids:
+            if tracked.first_token is None:
+                tracked.first_token = now
+                self.observer.on_first_token(now - tracked.arrived)
+            else:
+                self.observer.on_token_gap(now - tracked.last_token)
+            tracked.last_token = now
         tracked.completion_tokens += len(output.token_ids)
         if output.finish_reason is not None:
             del self._running[output.request_id]
@@ -395,31 +442,23 @@ class Scheduler:
             speculation=tracked.seq.spec.as_dict() if tracked.seq else None,
         )
         event.timings = self._timings(tracked)
-        self._log_finish(tracked, event)
+        record = RequestRecord(
+            request_id=tracked.request.request_id,
+            surface=tracked.request.surface,
+            finish_reason=reason.value,
+            prompt_tokens=len(tracked.request.prompt_tokens),
+            cached_tokens=tracked.cached_tokens,
+            completion_tokens=tracked.completion_tokens,
+            queue_s=event.timings.get("queue_s"),
+            ttft_s=event.timings.get("ttft_s"),
+            e2e_s=event.timings["e2e_s"],
+            modes=tuple(tracked.modes),
+            speculation=tracked.seq.spec if tracked.seq else SpecStats(),
+            error=error,
+        )
+        log_request(record)
+        self.observer.on_finished(record)
         self._deliver(tracked, event)
-
-    @staticmethod
-    def _log_finish(tracked: _Tracked, event: TokenEvent) -> None:
-        timings = event.timings
-        decode_s = timings["e2e_s"] - timings.get("ttft_s", timings["e2e_s"])
-        rate = (event.completion_tokens - 1) / decode_s if decode_s > 0 else 0.0
-        spec = event.speculation or {}
-        methods = " ".join(
-            f"{m}={s['accepted_tokens']}/{s['draft_tokens']}"
-            for m, s in spec.get("by_method", {}).items()
-        )
-        log.info(
-            "request %s %s: prompt_tokens=%d completion_tokens=%d ttft=%.3fs tok/s=%.1f "
-            "accepted/drafted: %s%s",
-            event.request_id,
-            event.finish_reason.value,
-            event.prompt_tokens,
-            event.completion_tokens,
-            timings.get("ttft_s", float("nan")),
-            rate,
-            methods or "none",
-            f" error={event.error!r}" if event.error else "",
-        )
 
     def _event(self, tracked: _Tracked, token_ids: list[int], text: str, **kw: Any) -> TokenEvent:
         return TokenEvent(

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engines.errors import RequestFailed
+from engines.errors import RequestAborted, RequestFailed
 from engines.sequence import FinishReason
 
 
@@ -37,7 +37,8 @@ class TokenEvent:
 
 
 class RequestStream:
-    """Async iterator of a request's `TokenEvent`s; raises `RequestFailed` on error."""
+    """Async iterator of a request's `TokenEvent`s; raises `RequestFailed` when serving
+    the request raised, `RequestAborted` when the server ended it (shutdown, timeout)."""
 
     def __init__(self, request_id: str, cancel: Callable[[str], None]) -> None:
         self.request_id = request_id
@@ -64,6 +65,8 @@ class RequestStream:
             self._done = True
         if event.finish_reason == FinishReason.ERROR:
             raise RequestFailed(event.error or "request failed")
+        if event.error:
+            raise RequestAborted(event.error)
         return event
 
     def cancel(self) -> None:

@@ -7,13 +7,15 @@ import contextlib
 import logging
 import time
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from engines.blas import describe_blas
 from engines.errors import TandemError
 from scheduler import Scheduler, SchedulerState
 from server.auth import ApiKeyMiddleware
@@ -21,6 +23,7 @@ from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.config import ServerConfig
 from server.errors import ApiError, from_tandem_error, openai_error_response
+from server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -54,27 +57,43 @@ async def list_models(request: Request) -> JSONResponse:
     )
 
 
+async def metrics_endpoint(request: Request) -> Response:
+    return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def stats_endpoint(request: Request) -> JSONResponse:
+    return JSONResponse(request.app.state.metrics.stats())
+
+
+def error_response(request: Request, error: ApiError) -> JSONResponse:
+    """The one place an error becomes a response: counted, then shaped."""
+    request.app.state.metrics.count_error(error.type)
+    return openai_error_response(error)
+
+
 async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
-    return openai_error_response(exc)
+    return error_response(request, exc)
 
 
 async def on_tandem_error(request: Request, exc: Exception) -> JSONResponse:
-    return openai_error_response(from_tandem_error(exc))
+    return error_response(request, from_tandem_error(exc))
 
 
 async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return openai_error_response(ApiError(exc.status_code, str(exc.detail), kind))
+    return error_response(request, ApiError(exc.status_code, str(exc.detail), kind))
 
 
 async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s", request.url.path)
-    return openai_error_response(ApiError(500, "internal server error", "server_error"))
+    return error_response(request, ApiError(500, "internal server error", "server_error"))
 
 
 def create_app(config: ServerConfig, scheduler: Scheduler | None = None) -> Starlette:
     """Build the app. The scheduler is started by the lifespan unless already running."""
     scheduler = scheduler or Scheduler(config.scheduler)
+    metrics = Metrics(config.served_model_name, scheduler, describe_blas())
+    scheduler.observer = metrics
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -90,10 +109,20 @@ def create_app(config: ServerConfig, scheduler: Scheduler | None = None) -> Star
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+        Route("/v1/stats", stats_endpoint, methods=["GET"]),
     ]
+    if config.metrics:
+        routes.append(Route("/metrics", metrics_endpoint, methods=["GET"]))
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(ApiKeyMiddleware, keys=config.api_keys)],
+        middleware=[
+            Middleware(
+                ApiKeyMiddleware,
+                keys=config.api_keys,
+                metrics_keys=config.metrics_api_keys,
+                on_denied=lambda: metrics.count_error("authentication_error"),
+            )
+        ],
         exception_handlers={
             ApiError: on_api_error,
             TandemError: on_tandem_error,
@@ -104,5 +133,6 @@ def create_app(config: ServerConfig, scheduler: Scheduler | None = None) -> Star
     )
     app.state.config = config
     app.state.scheduler = scheduler
+    app.state.metrics = metrics
     app.state.started = int(time.time())
     return app

@@ -7,6 +7,7 @@ and are compared in constant time. `/health` stays open for supervisors.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -32,17 +33,34 @@ def key_is_valid(presented: str | None, keys: tuple[str, ...]) -> bool:
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+    """`/metrics` accepts the metrics keys when given (so a Prometheus scraper needs
+    no API key), otherwise the API keys like every other route."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: tuple[str, ...],
+        metrics_keys: tuple[str, ...] = (),
+        on_denied: Callable[[], None] | None = None,
+    ) -> None:
         self.app = app
         self.keys = keys
+        self.metrics_keys = metrics_keys
+        self.on_denied = on_denied or (lambda: None)
+
+    def keys_for(self, path: str) -> tuple[str, ...]:
+        if path in OPEN_PATHS:
+            return ()
+        if path == "/metrics" and self.metrics_keys:
+            return self.metrics_keys + self.keys
+        return self.keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS:
+        keys = self.keys_for(scope["path"]) if scope["type"] == "http" else ()
+        if not keys or key_is_valid(presented_key(dict(scope["headers"])), keys):
             await self.app(scope, receive, send)
             return
-        if key_is_valid(presented_key(dict(scope["headers"])), self.keys):
-            await self.app(scope, receive, send)
-            return
+        self.on_denied()
         error = ApiError(
             401,
             "missing or invalid API key",

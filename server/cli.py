@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from server.blas_preload import ensure_fast_blas
+from server.logging_setup import configure_logging, uvicorn_log_config
 
 log = logging.getLogger("tandem")
 
@@ -81,6 +82,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="json: one object per line, per-request fields at the top level",
+    )
+    parser.add_argument("--no-metrics", action="store_true", help="do not serve GET /metrics")
+    parser.add_argument(
+        "--metrics-api-key",
+        action="append",
+        default=[],
+        help="a key that may read /metrics (for scrapers); API keys work there too",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,6 +140,8 @@ def build_config(args: argparse.Namespace):
         api_keys=keys,
         max_tokens=args.max_tokens,
         demo=args.demo,
+        metrics=not args.no_metrics,
+        metrics_api_keys=tuple(k for k in args.metrics_api_key if k),
     )
 
 
@@ -156,6 +172,7 @@ def serve(args: argparse.Namespace) -> None:
         port=config.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
+        log_config=uvicorn_log_config(args.log_format),
     )
 
 
@@ -173,11 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         bench_main(argv[1:])
         return
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, getattr(args, "log_level", "info").upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level, args.log_format)
     if args.command == "serve":
         if not (args.no_blas_preload or os.environ.get("TANDEM_NO_BLAS_PRELOAD")):
             ensure_fast_blas()

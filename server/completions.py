@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engines.errors import RequestFailed
+from engines.errors import RequestAborted, RequestFailed
 from engines.request import GenerationRequest
 from scheduler import TokenEvent
 from server.errors import bad_request, from_tandem_error, openai_error_body
@@ -46,7 +46,9 @@ def to_generation_request(request: Request, body: CompletionRequest) -> Generati
     max_tokens = effective_max_tokens(
         body.max_tokens, len(prompt_ids), info.context_length, config.max_tokens
     )
-    return build_request(new_request_id("cmpl"), body, prompt_ids, max_tokens, len(info.tokenizer))
+    return build_request(
+        new_request_id("cmpl"), body, prompt_ids, max_tokens, len(info.tokenizer), "completions"
+    )
 
 
 def completion_json(gen: GenerationRequest, model: str, created: int, events: list[TokenEvent]):
@@ -77,7 +79,9 @@ async def create_completion(request: Request) -> Response:
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = completion_chunks(gen, model, created, events_until_done(stream), include_usage)
+        chunks = completion_chunks(
+            gen, model, created, events_until_done(request, stream), include_usage
+        )
         return StreamingResponse(chunks, media_type="text/event-stream")
     events = await collect_unless_disconnected(request, stream)
     if events is None:
@@ -114,7 +118,7 @@ async def completion_chunks(
                 )
             elif event.text:
                 yield sse_data(chunk(event.text, None))
-    except RequestFailed as exc:
+    except (RequestFailed, RequestAborted) as exc:
         yield sse_data(openai_error_body(from_tandem_error(exc)))
     if include_usage and last is not None:
         yield sse_data({**chunk("", None), "choices": [], "usage": usage(last)})

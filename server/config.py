@@ -16,3 +16,5 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     max_tokens: int = 4096  # cap on (and default for) tokens generated per request
     demo: bool = False
+    metrics: bool = True  # serve GET /metrics
+    metrics_api_keys: tuple[str, ...] = ()  # keys that may read /metrics (besides API keys)

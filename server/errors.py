@@ -11,6 +11,7 @@ from engines.errors import (
     ContextTooLong,
     InvalidRequest,
     QueueFull,
+    RequestAborted,
     RequestFailed,
     ServerNotReady,
     TandemError,
@@ -54,6 +55,8 @@ def from_tandem_error(exc: TandemError) -> ApiError:
         return ApiError(503, str(exc), "server_overloaded", headers={"Retry-After": "1"})
     if isinstance(exc, ServerNotReady):
         return ApiError(503, str(exc), "server_unavailable", headers={"Retry-After": "5"})
+    if isinstance(exc, RequestAborted):
+        return ApiError(503, f"request aborted: {exc}", "server_unavailable")
     if isinstance(exc, RequestFailed):
         return ApiError(500, f"generation failed: {exc}", "server_error")
     return ApiError(500, str(exc), "server_error")

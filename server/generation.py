@@ -69,6 +69,7 @@ def build_request(
     prompt_ids: list[int],
     max_tokens: int,
     vocab_size: int,
+    surface: str,
 ) -> GenerationRequest:
     if body.n != 1:
         raise bad_request("n > 1 is not supported; send separate requests", "n")
@@ -84,4 +85,5 @@ def build_request(
             enable_draft=body.enable_draft,
             num_draft_tokens=body.num_draft_tokens,
         ),
+        surface=surface,
     )

@@ -75,13 +75,18 @@ async def collect_unless_disconnected(
             events = await stream.collect()
         finally:
             group.cancel_scope.cancel()
+    if events is None:
+        request.app.state.metrics.count_disconnect()
     return events
 
 
-async def events_until_done(stream: RequestStream) -> AsyncIterator[TokenEvent]:
-    """Iterate a stream; leaving early (disconnect, error) cancels the request."""
+async def events_until_done(request: Request, stream: RequestStream) -> AsyncIterator[TokenEvent]:
+    """Iterate a stream; leaving before its final event (the client disconnected and
+    the response task was cancelled) cancels the request and counts the disconnect."""
     try:
         async for event in stream:
             yield event
     finally:
+        if not stream.done:
+            request.app.state.metrics.count_disconnect()
         stream.cancel()

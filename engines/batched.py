@@ -11,6 +11,7 @@ KV caches (`insert` / `extract`), so migration never re-prefills.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -25,6 +26,7 @@ from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.speculative import SequenceState
 
 Sampler = Callable[[mx.array], mx.array]
+log = logging.getLogger(__name__)
 
 
 def greedy(logprobs: mx.array) -> mx.array:
@@ -141,7 +143,16 @@ class BatchedEngine:
             seq = self._seqs.get(response.uid)
             if seq is None:
                 continue
-            text = seq.commit(response.token)
+            try:
+                text = seq.commit(response.token)
+            except Exception as exc:  # noqa: BLE001 - fail this sequence, keep the batch
+                log.exception("request %s failed in the batched engine", seq.request_id)
+                seq.finish_reason = FinishReason.ERROR
+                outputs.append(
+                    StepOutput(seq.request_id, [], "", FinishReason.ERROR, error=str(exc))
+                )
+                self._forget(response.uid, seq, still_in_generator=response.finish_reason is None)
+                continue
             outputs.append(
                 StepOutput(
                     seq.request_id, [response.token], text, seq.finish_reason, seq.matched_stop

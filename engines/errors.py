@@ -31,3 +31,7 @@ class RequestFailed(TandemError):
 
 class RequestAborted(TandemError):
     """The server ended the request itself (shutdown, timeout, engine failure)."""
+
+
+class RequestTimeout(RequestAborted):
+    """The request ran past --request-timeout."""

@@ -33,6 +33,7 @@ class StepOutput:
     text: str
     finish_reason: FinishReason | None = None
     matched_stop: str | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     matched_stop: str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
+    inject_fault: bool = False  # test hook (--inject-fault-on): commit raises mid-generation
 
     def __post_init__(self) -> None:
         self.stop = StopMatcher(self.request.stop)
@@ -65,6 +67,8 @@ class Sequence:
     def commit(self, token: int) -> str:
         """Append one generated token; return the text it releases to the client."""
         assert not self.finished, "commit after finish"
+        if self.inject_fault and len(self.generated) >= 3:
+            raise RuntimeError(f"injected fault in request {self.request_id}")
         self.generated.append(token)
         if token in self.eos_token_ids and not self.request.ignore_eos:
             return self._finish(FinishReason.STOP)

@@ -20,5 +20,7 @@ class SchedulerConfig:
     batch_prefill_step_size: int = 512  # prefill chunk while batched (bounds others' gaps)
     prefix_cache_entries: int = 16  # finished requests' KV caches kept for reuse (0: off)
     prefix_cache_bytes: int = 2 << 30
+    request_timeout: float = 0.0  # seconds from arrival; 0 = no limit
+    fault_marker: str | None = None  # test hook: prompts containing this fail mid-generation
     prefill_step_size: int = 2048
     cost_model: CostModel | None = None  # None: measure verify costs at startup

@@ -75,9 +75,10 @@ class _Tracked:
 
 @dataclass
 class _Command:
-    kind: str  # "submit" | "cancel"
-    request_id: str
+    kind: str  # "submit" | "cancel" | "abort_all"
+    request_id: str = ""
     tracked: _Tracked | None = None
+    reason: str = ""
 
 
 class Scheduler:
@@ -91,6 +92,7 @@ class Scheduler:
         self._inbox: deque[_Command] = deque()
         self._wakeup = threading.Condition()
         self._stopping = False
+        self.draining = False  # shutting down: finish what runs, accept nothing new
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         self._outstanding = 0  # submitted and not yet finished; touched on the loop only
@@ -141,6 +143,8 @@ class Scheduler:
         """Admit a request and return its event stream (call on the event loop)."""
         if self.state != SchedulerState.READY or self._stopping:
             raise ServerNotReady(self.error or f"server is {self.state.value}")
+        if self.draining:
+            raise ServerNotReady("server is shutting down")
         self._validate(request)
         if self._outstanding >= self.config.max_queue + self.config.max_num_seqs:
             raise QueueFull(f"{self._outstanding} requests in flight; retry shortly")
@@ -153,6 +157,14 @@ class Scheduler:
 
     def cancel(self, request_id: str) -> None:
         self._send(_Command("cancel", request_id))
+
+    def begin_drain(self) -> None:
+        """Refuse new requests; the running and waiting ones carry on."""
+        self.draining = True
+
+    def abort_all(self, reason: str) -> None:
+        """End every request now; each stream ends with an error event (thread-safe)."""
+        self._send(_Command("abort_all", reason=reason))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; in-flight requests end as cancelled."""
@@ -292,6 +304,29 @@ class Scheduler:
                 self._waiting.append(command.tracked)
             elif command.kind == "cancel":
                 self._cancel(command.request_id)
+            elif command.kind == "abort_all":
+                self._abort_all(command.reason)
+        self._expire_timeouts()
+
+    def _expire_timeouts(self) -> None:
+        """Requests past --request-timeout end with a timeout error, freeing their slot."""
+        limit = self.config.request_timeout
+        if not limit:
+            return
+        now = time.monotonic()
+        for tracked in [*self._running.values(), *self._waiting]:
+            if now - tracked.arrived > limit:
+                request_id = tracked.request.request_id
+                if self._running.pop(request_id, None) is not None:
+                    self._engine().cancel(request_id)
+                else:
+                    self._waiting.remove(tracked)
+                self._finish(
+                    tracked,
+                    FinishReason.CANCELLED,
+                    error=f"request timed out after {limit:g}s",
+                    error_kind="timeout",
+                )
 
     def _cancel(self, request_id: str) -> None:
         tracked = self._running.pop(request_id, None)
@@ -322,6 +357,7 @@ class Scheduler:
         prompt = list(tracked.request.prompt_tokens)
         try:
             tracked.seq = make_sequence(tracked.request, self.registry.tokenizer)
+            tracked.seq.inject_fault = self._matches_fault_marker(prompt)
             cache, cached = self._prefix.lookup(prompt) if self._prefix else (None, 0)
             if cache is None:
                 cache, cached = make_prompt_cache(self.registry.target.model), 0
@@ -335,6 +371,10 @@ class Scheduler:
             self._finish(tracked, FinishReason.ERROR, error=str(exc))
             return
         self._running[tracked.request.request_id] = tracked
+
+    def _matches_fault_marker(self, prompt: list[int]) -> bool:
+        marker = self.config.fault_marker
+        return bool(marker) and marker in self.registry.tokenizer.decode(prompt)
 
     def _switch(self, target: Mode) -> None:
         """Hand the model to the other engine, carrying in-flight requests with their
@@ -421,7 +461,7 @@ class Scheduler:
         tracked.completion_tokens += len(output.token_ids)
         if output.finish_reason is not None:
             del self._running[output.request_id]
-            self._finish(tracked, output.finish_reason, output=output)
+            self._finish(tracked, output.finish_reason, output=output, error=output.error)
             return
         self._deliver(tracked, self._event(tracked, output.token_ids, output.text))
 
@@ -431,6 +471,7 @@ class Scheduler:
         reason: FinishReason,
         output: StepOutput | None = None,
         error: str | None = None,
+        error_kind: str | None = None,
     ) -> None:
         event = self._event(
             tracked,
@@ -439,6 +480,7 @@ class Scheduler:
             finish_reason=reason,
             matched_stop=output.matched_stop if output else None,
             error=error,
+            error_kind=error_kind or ("failed" if reason == FinishReason.ERROR else None),
             speculation=tracked.seq.spec.as_dict() if tracked.seq else None,
         )
         event.timings = self._timings(tracked)
@@ -482,7 +524,12 @@ class Scheduler:
         return timings
 
     def _abort_all(self, reason: str) -> None:
-        for tracked in [*self._running.values(), *self._waiting]:
-            self._finish(tracked, FinishReason.CANCELLED, error=reason)
+        for request_id, tracked in list(self._running.items()):
+            engine = self._engine() if self._spec is not None else None
+            if engine is not None:
+                engine.cancel(request_id)
+            self._finish(tracked, FinishReason.CANCELLED, error=reason, error_kind="aborted")
+        for tracked in self._waiting:
+            self._finish(tracked, FinishReason.CANCELLED, error=reason, error_kind="aborted")
         self._running.clear()
         self._waiting.clear()

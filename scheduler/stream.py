@@ -11,8 +11,10 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engines.errors import RequestAborted, RequestFailed
+from engines.errors import RequestAborted, RequestFailed, RequestTimeout
 from engines.sequence import FinishReason
+
+_ERRORS = {"failed": RequestFailed, "aborted": RequestAborted, "timeout": RequestTimeout}
 
 
 @dataclass
@@ -28,6 +30,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     matched_stop: str | None = None
     error: str | None = None
+    error_kind: str | None = None  # failed | aborted | timeout
     speculation: dict | None = None  # per-request drafted/accepted stats, on the final event
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -63,10 +66,8 @@ class RequestStream:
         event = await self._queue.get()
         if event.final:
             self._done = True
-        if event.finish_reason == FinishReason.ERROR:
-            raise RequestFailed(event.error or "request failed")
-        if event.error:
-            raise RequestAborted(event.error)
+        if event.error is not None or event.finish_reason == FinishReason.ERROR:
+            raise _ERRORS.get(event.error_kind, RequestFailed)(event.error or "request failed")
         return event
 
     def cancel(self) -> None:

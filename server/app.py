@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -23,6 +24,7 @@ from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.config import ServerConfig
 from server.errors import ApiError, from_tandem_error, openai_error_response
+from server.limits import BodySizeLimit, RateLimit
 from server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -31,10 +33,12 @@ log = logging.getLogger(__name__)
 async def health(request: Request) -> JSONResponse:
     scheduler: Scheduler = request.app.state.scheduler
     state = scheduler.state
-    body = {"status": "ok" if state == SchedulerState.READY else state.value}
+    healthy = state == SchedulerState.READY and not scheduler.draining
+    status = "draining" if state == SchedulerState.READY and scheduler.draining else state.value
+    body = {"status": "ok" if healthy else status}
     if scheduler.error:
         body["error"] = scheduler.error
-    return JSONResponse(body, status_code=200 if state == SchedulerState.READY else 503)
+    return JSONResponse(body, status_code=200 if healthy else 503)
 
 
 async def list_models(request: Request) -> JSONResponse:
@@ -89,6 +93,44 @@ async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(request, ApiError(500, "internal server error", "server_error"))
 
 
+def build_middleware(config: ServerConfig, metrics: Metrics) -> list[Middleware]:
+    """Outermost first: CORS, body size, API key, rate limit."""
+    middleware = []
+    if config.allowed_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(config.allowed_origins),
+                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"],
+            )
+        )
+    middleware.append(
+        Middleware(
+            BodySizeLimit,
+            max_bytes=config.max_body_bytes,
+            on_refused=lambda: metrics.count_error("request_too_large"),
+        )
+    )
+    middleware.append(
+        Middleware(
+            ApiKeyMiddleware,
+            keys=config.api_keys,
+            metrics_keys=config.metrics_api_keys,
+            on_denied=lambda: metrics.count_error("authentication_error"),
+        )
+    )
+    if config.rate_limit_per_minute > 0:
+        middleware.append(
+            Middleware(
+                RateLimit,
+                per_minute=config.rate_limit_per_minute,
+                on_refused=lambda: metrics.count_error("rate_limit_error"),
+            )
+        )
+    return middleware
+
+
 def create_app(config: ServerConfig, scheduler: Scheduler | None = None) -> Starlette:
     """Build the app. The scheduler is started by the lifespan unless already running."""
     scheduler = scheduler or Scheduler(config.scheduler)
@@ -115,14 +157,7 @@ def create_app(config: ServerConfig, scheduler: Scheduler | None = None) -> Star
         routes.append(Route("/metrics", metrics_endpoint, methods=["GET"]))
     app = Starlette(
         routes=routes,
-        middleware=[
-            Middleware(
-                ApiKeyMiddleware,
-                keys=config.api_keys,
-                metrics_keys=config.metrics_api_keys,
-                on_denied=lambda: metrics.count_error("authentication_error"),
-            )
-        ],
+        middleware=build_middleware(config, metrics),
         exception_handlers={
             ApiError: on_api_error,
             TandemError: on_tandem_error,

@@ -6,17 +6,11 @@ Parsing builds one frozen `ServerConfig`; nothing below the CLI reads argv or en
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
-from pathlib import Path
 
 from server.blas_preload import ensure_fast_blas
-from server.logging_setup import configure_logging, uvicorn_log_config
-
-log = logging.getLogger("tandem")
-
-DEMO_MODEL_NAME = "tandem-demo"
+from server.logging_setup import configure_logging
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +36,39 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="require this key (Bearer or x-api-key); repeat for several keys",
     )
+    parser.add_argument(
+        "--api-key-file", help="file with one API key per line (also env TANDEM_API_KEY)"
+    )
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="allow binding a non-loopback address without an API key",
+    )
+    parser.add_argument(
+        "--allowed-origins", default="", help="comma-separated CORS origins (default: CORS off)"
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=4 << 20, help="largest request body (413 above)"
+    )
+    parser.add_argument(
+        "--rate-limit",
+        type=float,
+        default=0.0,
+        help="requests per minute per API key (or client address without keys); 0 = off",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=0.0,
+        help="seconds a request may take from arrival before it is aborted (0 = no limit)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them",
+    )
+    parser.add_argument("--inject-fault-on", help=argparse.SUPPRESS)  # test hook
     parser.add_argument(
         "--max-tokens",
         type=int,
@@ -106,82 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_config(args: argparse.Namespace):
-    from scheduler.config import SchedulerConfig
-    from server.config import ServerConfig
-
-    if args.demo:
-        from engines.demo import build_tiny_model, default_demo_dir
-
-        model_path = str(build_tiny_model(default_demo_dir()))
-        name = args.served_model_name or DEMO_MODEL_NAME
-    elif args.model:
-        model_path = args.model
-        name = args.served_model_name or Path(args.model.rstrip("/")).name
-    else:
-        raise SystemExit("tandem serve: give a MODEL (path or hub id) or --demo")
-    keys = tuple(k for k in args.api_key if k)
-    return ServerConfig(
-        scheduler=SchedulerConfig(
-            model=model_path,
-            draft_model=args.draft_model,
-            num_draft_tokens=args.num_draft_tokens,
-            enable_pld=not args.no_pld,
-            max_queue=args.max_queue,
-            max_num_seqs=args.max_num_seqs,
-            batch_threshold=args.batch_threshold,
-            batch_return_steps=args.batch_return_steps,
-            prefix_cache_entries=args.prefix_cache_entries,
-            prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)),
-        ),
-        served_model_name=name,
-        host=args.host,
-        port=args.port,
-        api_keys=keys,
-        max_tokens=args.max_tokens,
-        demo=args.demo,
-        metrics=not args.no_metrics,
-        metrics_api_keys=tuple(k for k in args.metrics_api_key if k),
-    )
-
-
-def serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
-    from engines.blas import describe_blas
-    from server.app import create_app
-
-    config = build_config(args)
-    log.info("compute: %s, BLAS: %s", _device_name(), describe_blas())
-    if config.demo:
-        log.warning(
-            "demo model: tiny random weights at %s; its output is gibberish", config.scheduler.model
-        )
-    if not config.api_keys:
-        log.info("no --api-key given: requests are not authenticated")
-    log.info(
-        "serving %s as '%s' on http://%s:%d",
-        config.scheduler.model,
-        config.served_model_name,
-        config.host,
-        config.port,
-    )
-    uvicorn.run(
-        create_app(config),
-        host=config.host,
-        port=config.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=5,
-        log_config=uvicorn_log_config(args.log_format),
-    )
-
-
-def _device_name() -> str:
-    import mlx.core as mx
-
-    return str(mx.default_device())
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # bench parses its own arguments, --help included
@@ -194,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "serve":
         if not (args.no_blas_preload or os.environ.get("TANDEM_NO_BLAS_PRELOAD")):
             ensure_fast_blas()
+        from server.serve import serve
+
         serve(args)
 
 

@@ -18,3 +18,7 @@ class ServerConfig:
     demo: bool = False
     metrics: bool = True  # serve GET /metrics
     metrics_api_keys: tuple[str, ...] = ()  # keys that may read /metrics (besides API keys)
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty = off
+    max_body_bytes: int = 4 << 20
+    rate_limit_per_minute: float = 0.0  # per API key (or client address); 0 = off
+    shutdown_timeout: float = 30.0

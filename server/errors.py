@@ -13,6 +13,7 @@ from engines.errors import (
     QueueFull,
     RequestAborted,
     RequestFailed,
+    RequestTimeout,
     ServerNotReady,
     TandemError,
 )
@@ -55,6 +56,8 @@ def from_tandem_error(exc: TandemError) -> ApiError:
         return ApiError(503, str(exc), "server_overloaded", headers={"Retry-After": "1"})
     if isinstance(exc, ServerNotReady):
         return ApiError(503, str(exc), "server_unavailable", headers={"Retry-After": "5"})
+    if isinstance(exc, RequestTimeout):
+        return ApiError(504, str(exc), "timeout", code="request_timeout")
     if isinstance(exc, RequestAborted):
         return ApiError(503, f"request aborted: {exc}", "server_unavailable")
     if isinstance(exc, RequestFailed):

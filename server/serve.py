@@ -1,0 +1,163 @@
+"""`tandem serve`: build the config from parsed flags, check it is safe to run,
+and run uvicorn with a graceful drain on SIGTERM/SIGINT.
+
+Drain: the first signal stops new requests (503, /health turns 503 so balancers move
+away), lets in-flight ones finish for up to --shutdown-timeout, aborts the rest so
+their streams end with an error event, then stops uvicorn and exits 0. A second
+signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import uvicorn
+
+from scheduler.config import SchedulerConfig
+from server.config import ServerConfig
+from server.logging_setup import uvicorn_log_config
+
+log = logging.getLogger("tandem")
+
+DEMO_MODEL_NAME = "tandem-demo"
+
+
+def load_api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """Keys from --api-key (repeatable), --api-key-file (one per line) and TANDEM_API_KEY."""
+    keys = [k.strip() for k in args.api_key]
+    if args.api_key_file:
+        lines = Path(args.api_key_file).read_text().splitlines()
+        keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    keys += [k.strip() for k in os.environ.get("TANDEM_API_KEY", "").split(",")]
+    return tuple(dict.fromkeys(k for k in keys if k))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_config(args: argparse.Namespace) -> ServerConfig:
+    if args.demo:
+        from engines.demo import build_tiny_model, default_demo_dir
+
+        model_path = str(build_tiny_model(default_demo_dir()))
+        name = args.served_model_name or DEMO_MODEL_NAME
+    elif args.model:
+        model_path = args.model
+        name = args.served_model_name or Path(args.model.rstrip("/")).name
+    else:
+        raise SystemExit("tandem serve: give a MODEL (path or hub id) or --demo")
+    keys = load_api_keys(args)
+    if not keys and not is_loopback(args.host) and not args.allow_unauthenticated:
+        raise SystemExit(
+            f"tandem serve: refusing to listen on {args.host} without an API key; anyone on "
+            "the network could use it. Give --api-key/--api-key-file/TANDEM_API_KEY, or "
+            "--allow-unauthenticated if that is really what you want."
+        )
+    return ServerConfig(
+        scheduler=SchedulerConfig(
+            model=model_path,
+            draft_model=args.draft_model,
+            num_draft_tokens=args.num_draft_tokens,
+            enable_pld=not args.no_pld,
+            max_queue=args.max_queue,
+            max_num_seqs=args.max_num_seqs,
+            batch_threshold=args.batch_threshold,
+            batch_return_steps=args.batch_return_steps,
+            prefix_cache_entries=args.prefix_cache_entries,
+            prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)),
+            request_timeout=args.request_timeout,
+            fault_marker=args.inject_fault_on,
+        ),
+        served_model_name=name,
+        host=args.host,
+        port=args.port,
+        api_keys=keys,
+        max_tokens=args.max_tokens,
+        demo=args.demo,
+        metrics=not args.no_metrics,
+        metrics_api_keys=tuple(k for k in args.metrics_api_key if k),
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        max_body_bytes=args.max_body_bytes,
+        rate_limit_per_minute=args.rate_limit,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a drain before the usual shutdown."""
+
+    def __init__(self, config: uvicorn.Config, scheduler, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.scheduler = scheduler
+        self.shutdown_timeout = shutdown_timeout
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._drain_task is not None or self.should_exit:
+            log.warning("second signal: exiting now")
+            self.force_exit = True
+            self.should_exit = True
+            return
+        log.info("%s: draining (up to %.0fs)", signal.Signals(sig).name, self.shutdown_timeout)
+        self._drain_task = asyncio.get_event_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        self.scheduler.begin_drain()
+        deadline = time.monotonic() + self.shutdown_timeout
+        while self.scheduler.num_outstanding and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.scheduler.num_outstanding
+        if left:
+            log.warning("drain timeout: aborting %d request(s)", left)
+            self.scheduler.abort_all("server is shutting down")
+            flush_deadline = time.monotonic() + 5
+            while self.scheduler.num_outstanding and time.monotonic() < flush_deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)  # let the streams write their error events
+        self.should_exit = True
+
+
+def serve(args: argparse.Namespace) -> None:
+    import mlx.core as mx
+
+    from engines.blas import describe_blas
+    from server.app import create_app
+
+    config = build_config(args)
+    log.info("compute: %s, BLAS: %s", mx.default_device(), describe_blas())
+    if config.demo:
+        log.warning(
+            "demo model: tiny random weights at %s; its output is gibberish", config.scheduler.model
+        )
+    if not config.api_keys:
+        log.info("no API key configured: requests are not authenticated")
+    log.info(
+        "serving %s as '%s' on http://%s:%d",
+        config.scheduler.model,
+        config.served_model_name,
+        config.host,
+        config.port,
+    )
+    app = create_app(config)
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        log_config=uvicorn_log_config(args.log_format),
+    )
+    DrainingServer(uvicorn_config, app.state.scheduler, config.shutdown_timeout).run()

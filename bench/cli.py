@@ -13,6 +13,8 @@ def main(argv: list[str]) -> None:
     commands = {
         "spec": "bench.spec",
         "single": "bench.single_stream",
+        "serve": "bench.serve",
+        "plot": "bench.plot",
     }
     if not argv or argv[0] not in commands:
         print(__doc__)

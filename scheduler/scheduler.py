@@ -232,6 +232,10 @@ class Scheduler:
             self.state = SchedulerState.FAILED
             self._abort_all(self.error)
             return
+        finally:
+            # Work queued with async_eval (a pipelined token of a cancelled request)
+            # must finish before the thread ends, or MLX's stream threads abort exit.
+            mx.synchronize()
         self._abort_all("server is shutting down")
 
     def _sample_memory(self, every_s: float = 0.5) -> None:

@@ -11,6 +11,7 @@ import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from engines.errors import TandemError
 from scheduler import RequestStream, Scheduler, TokenEvent
 from server.config import ServerConfig
 from server.errors import ApiError, bad_request
@@ -24,10 +25,14 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise bad_request("request body is nested too deeply") from exc
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
     try:
         return model.model_validate(data)
+    except RecursionError as exc:
+        raise bad_request("request body is nested too deeply") from exc
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
@@ -61,6 +66,7 @@ async def collect_unless_disconnected(
     """All of a request's events, or None if the client disconnected first
     (in which case the request is cancelled and its engine slot freed)."""
     events: list[TokenEvent] | None = None
+    failure: TandemError | None = None
 
     async with anyio.create_task_group() as group:
 
@@ -73,8 +79,12 @@ async def collect_unless_disconnected(
         group.start_soon(watch_disconnect)
         try:
             events = await stream.collect()
+        except TandemError as exc:
+            failure = exc  # re-raised outside the group, so it is not an ExceptionGroup
         finally:
             group.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
     if events is None:
         request.app.state.metrics.count_disconnect()
     return events

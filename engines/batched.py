@@ -21,7 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from engines.registry import ModelRegistry
 from engines.request import SamplingParams
-from engines.sampling import RandomStream, make_token_processors, sampling_logits
+from engines.sampling import RandomStream, sampling_logits
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.speculative import SequenceState
 
@@ -101,7 +101,7 @@ class BatchedEngine:
             caches=[state.cache],
             all_tokens=[tokens[: state.cached]],
             samplers=[self.samplers.sampler_for(seq)],
-            logits_processors=[make_token_processors(seq.request.sampling)],
+            logits_processors=[seq.processors],
             stop_sequences=[StopSequences()],
         )
         self._seqs[uid] = seq

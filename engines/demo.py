@@ -17,15 +17,46 @@ from pathlib import Path
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
 CHAT_SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>"]
+# Reasoning and tool-call markers as single tokens, as in Qwen3-style models, so
+# mlx-lm infers thinking support and the json_tools parser for the demo model.
+MARKER_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 LAYER_WEIGHT_SCALE = 4.0
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# ChatML; tools go in the system turn, assistant tool calls are <tool_call> JSON
+# (mlx-lm picks its json_tools parser for a template that renders tool_call.name).
+CHAT_TEMPLATE = """{{ bos_token }}
+{%- set system = messages[0].content if messages and messages[0].role == 'system' else '' %}
+{%- if tools %}<|im_start|>system
+{% if system %}{{ system }}
+
+{% endif %}# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Call a tool with <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
+{% elif system %}<|im_start|>system
+{{ system }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}
+{%- elif message.role == 'assistant' %}<|im_start|>assistant
+{% if message.content %}{{ message.content }}{% endif %}
+{%- for tool_call in message.tool_calls or [] %}
+{%- if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}
+<tool_call>
+{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 
 _CORPUS = """\
 Once upon a time there was a little robot who loved to read books about the sea.
@@ -77,7 +108,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[BOS_TOKEN, EOS_TOKEN, *CHAT_SPECIAL_TOKENS],
+        special_tokens=[BOS_TOKEN, EOS_TOKEN, *CHAT_SPECIAL_TOKENS, *MARKER_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -92,7 +123,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
         tokenizer_object=tokenizer,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
-        additional_special_tokens=CHAT_SPECIAL_TOKENS,
+        additional_special_tokens=[*CHAT_SPECIAL_TOKENS, *MARKER_TOKENS],
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))

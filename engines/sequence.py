@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.request import GenerationRequest
-from engines.sampling import RandomStream
+from engines.sampling import RandomStream, make_token_processors
 from engines.stopping import StopMatcher
 from engines.telemetry import SpecStats
 
@@ -48,6 +48,7 @@ class Sequence:
     matched_stop: str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
     inject_fault: bool = False  # test hook (--inject-fault-on): commit raises mid-generation
+    processors: list = field(default_factory=list)  # logits processors: (tokens, logits) -> logits
 
     def __post_init__(self) -> None:
         self.stop = StopMatcher(self.request.stop)
@@ -94,11 +95,15 @@ class Sequence:
         return text + self.stop.flush()
 
 
-def make_sequence(request: GenerationRequest, tokenizer: Any) -> Sequence:
-    """Fresh engine-side state for a request: own detokenizer, own RNG, no tokens yet."""
+def make_sequence(
+    request: GenerationRequest, tokenizer: Any, extra_processors: list | None = None
+) -> Sequence:
+    """Fresh engine-side state for a request: own detokenizer, own RNG, its logits
+    processors (penalties and bias, then any extra ones, e.g. constraints)."""
     return Sequence(
         request=request,
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
         detokenizer=tokenizer.detokenizer,
         rng=RandomStream.from_seed(request.sampling.seed),
+        processors=[*make_token_processors(request.sampling), *(extra_processors or [])],
     )

@@ -25,7 +25,7 @@ from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs
 from engines.drafters import DRAFT, PLD, Draft, DraftModelDrafter, PromptLookupDrafter
 from engines.gates import CostModel, MethodGate, prompt_repetition_score, speedup
 from engines.registry import ModelRegistry
-from engines.sampling import filter_logprobs, make_token_processors, sample_token
+from engines.sampling import filter_logprobs, sample_token
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.telemetry import SpecStats
 
@@ -127,7 +127,7 @@ class SpeculativeEngine:
         assert self.active is None, "the speculative engine serves one sequence at a time"
         seq = state.seq
         active = _Active(
-            seq, state.cache, state.cached, make_token_processors(seq.request.sampling)
+            seq, state.cache, state.cached, seq.processors
         )
         if active.processors:
             active.history = mx.array(active.tokens[: state.cached], dtype=mx.int32)

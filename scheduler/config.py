@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from engines.request import GenerationRequest
 
 from engines.gates import CostModel
 
@@ -22,5 +25,7 @@ class SchedulerConfig:
     prefix_cache_bytes: int = 2 << 30
     request_timeout: float = 0.0  # seconds from arrival; 0 = no limit
     fault_marker: str | None = None  # test hook: prompts containing this fail mid-generation
+    # Extra logits processors per request (constrained decoding; tests force outputs).
+    logits_processor_factory: Callable[[GenerationRequest], list] | None = None
     prefill_step_size: int = 2048
     cost_model: CostModel | None = None  # None: measure verify costs at startup

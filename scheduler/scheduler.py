@@ -360,7 +360,9 @@ class Scheduler:
         tracked.admitted = time.monotonic()
         prompt = list(tracked.request.prompt_tokens)
         try:
-            tracked.seq = make_sequence(tracked.request, self.registry.tokenizer)
+            factory = self.config.logits_processor_factory
+            extra = factory(tracked.request) if factory else None
+            tracked.seq = make_sequence(tracked.request, self.registry.tokenizer, extra)
             tracked.seq.inject_fault = self._matches_fault_marker(prompt)
             cache, cached = self._prefix.lookup(prompt) if self._prefix else (None, 0)
             if cache is None:

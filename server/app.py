@@ -23,7 +23,7 @@ from server.auth import ApiKeyMiddleware
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.config import ServerConfig
-from server.errors import ApiError, from_tandem_error, openai_error_response
+from server.errors import ApiError, error_response_for, from_tandem_error
 from server.limits import BodySizeLimit, RateLimit
 from server.metrics import Metrics
 
@@ -61,6 +61,12 @@ async def list_models(request: Request) -> JSONResponse:
     )
 
 
+async def openapi_endpoint(request: Request) -> JSONResponse:
+    from server.openapi import build_openapi
+
+    return JSONResponse(build_openapi(request.app.state.config))
+
+
 async def metrics_endpoint(request: Request) -> Response:
     return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
@@ -72,7 +78,7 @@ async def stats_endpoint(request: Request) -> JSONResponse:
 def error_response(request: Request, error: ApiError) -> JSONResponse:
     """The one place an error becomes a response: counted, then shaped."""
     request.app.state.metrics.count_error(error.type)
-    return openai_error_response(error)
+    return error_response_for(request.url.path, error)
 
 
 async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
@@ -152,6 +158,7 @@ def create_app(config: ServerConfig, scheduler: Scheduler | None = None) -> Star
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/stats", stats_endpoint, methods=["GET"]),
+        Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]
     if config.metrics:
         routes.append(Route("/metrics", metrics_endpoint, methods=["GET"]))
@@ -169,5 +176,6 @@ def create_app(config: ServerConfig, scheduler: Scheduler | None = None) -> Star
     app.state.config = config
     app.state.scheduler = scheduler
     app.state.metrics = metrics
+    app.state.output_markers = None
     app.state.started = int(time.time())
     return app

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import ApiError, openai_error_response
+from server.errors import ApiError, error_response_for
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -68,4 +68,4 @@ class ApiKeyMiddleware:
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
-        await openai_error_response(error)(scope, receive, send)
+        await error_response_for(scope["path"], error)(scope, receive, send)

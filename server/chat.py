@@ -1,9 +1,15 @@
-"""POST /v1/chat/completions (OpenAI chat), JSON and SSE."""
+"""POST /v1/chat/completions (OpenAI chat), JSON and SSE, with tools and reasoning.
+
+Model output is split by `OutputParser` into `content`, `reasoning_content` and
+`tool_calls`; with tool calls and a natural stop, finish_reason is "tool_calls".
+"""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -18,53 +24,147 @@ from server.http import (
     collect_unless_disconnected,
     config_of,
     events_until_done,
+    output_markers,
     parse_body,
     scheduler_of,
 )
-from server.prompts import chat_prompt_ids
-from server.schemas import ChatCompletionRequest
+from server.output_parser import OutputParser, ParsedDelta, ToolCall
+from server.prompts import message_text, render_chat
+from server.schemas import ChatCompletionRequest, ChatMessage
 from server.sse import DONE, sse_data
 from server.usage import finish_reason_name, usage
 
 
+@dataclass
+class ChatJob:
+    """A parsed chat request and what formatting its output needs."""
+
+    gen: GenerationRequest
+    model: str
+    tools: list | None
+    starts_in_reasoning: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
 def refuse_unsupported(body: ChatCompletionRequest) -> None:
-    if body.tools:
-        raise bad_request("tools are not supported yet", "tools")
-    if body.response_format and body.response_format.get("type") not in (None, "text"):
+    kind = (body.response_format or {}).get("type")
+    if kind not in (None, "text"):
         raise bad_request(
-            "response_format other than 'text' is not supported yet", "response_format"
+            f"response_format '{kind}' needs constrained decoding, which this server does not "
+            "have; ask for JSON in the prompt and validate it client-side",
+            "response_format",
         )
     if body.logprobs:
-        raise bad_request("logprobs is not supported yet", "logprobs")
+        raise bad_request("logprobs is not supported on chat yet", "logprobs")
+    choice = body.tool_choice
+    if choice not in (None, "auto", "none"):
+        raise bad_request(
+            "tool_choice can only be 'auto' or 'none': forcing a tool call needs constrained "
+            "decoding, which this server does not have",
+            "tool_choice",
+        )
 
 
-def to_generation_request(request: Request, body: ChatCompletionRequest) -> GenerationRequest:
+def tool_call_arguments(call: dict, index: int) -> dict:
+    function = call.get("function") or {}
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise bad_request(
+                f"tool call arguments must be a JSON object: {exc}", f"messages[{index}]"
+            ) from exc
+    return {"name": function.get("name", ""), "arguments": arguments}
+
+
+def normalize_messages(messages: list[ChatMessage]) -> list[dict]:
+    """OpenAI messages -> the plain dicts chat templates expect."""
+    normalized = []
+    for index, message in enumerate(messages):
+        entry: dict = {
+            "role": "system" if message.role == "developer" else message.role,
+            "content": message_text(message, index),
+        }
+        if message.tool_calls:
+            entry["tool_calls"] = [
+                {"id": c.get("id"), "type": "function", "function": tool_call_arguments(c, index)}
+                for c in message.tool_calls
+            ]
+        if message.tool_call_id:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.name:
+            entry["name"] = message.name
+        normalized.append(entry)
+    return normalized
+
+
+def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob:
     config = config_of(request)
     info = scheduler_of(request).model_info
     refuse_unsupported(body)
-    prompt_ids = chat_prompt_ids(info.tokenizer, body.messages)
+    tools = (
+        [t.model_dump(exclude_none=True) for t in body.tools]
+        if body.tools and body.tool_choice != "none"
+        else None
+    )
+    markers = output_markers(request)
+    rendered = render_chat(
+        info.tokenizer,
+        normalize_messages(body.messages),
+        tools,
+        markers.think[0] if markers.think else None,
+    )
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = effective_max_tokens(
-        requested, len(prompt_ids), info.context_length, config.max_tokens
+        requested, len(rendered.ids), info.context_length, config.max_tokens
     )
-    return build_request(
-        new_request_id("chatcmpl"), body, prompt_ids, max_tokens, len(info.tokenizer), "chat"
+    gen = build_request(
+        new_request_id("chatcmpl"), body, rendered.ids, max_tokens, len(info.tokenizer), "chat"
     )
+    return ChatJob(gen, model, tools, rendered.starts_in_reasoning)
 
 
-def chat_json(gen: GenerationRequest, model: str, created: int, events: list[TokenEvent]):
+def new_parser(request: Request, job: ChatJob) -> OutputParser:
+    return OutputParser(output_markers(request), job.tools, job.starts_in_reasoning)
+
+
+def finish_name(event: TokenEvent, parser: OutputParser) -> str | None:
+    name = finish_reason_name(event)
+    return "tool_calls" if name == "stop" and parser.tool_calls_emitted else name
+
+
+def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
+    out = {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    return out if index is None else {"index": index, **out}
+
+
+def chat_json(job: ChatJob, parser: OutputParser, events: list[TokenEvent]) -> dict:
+    parts = [parser.feed(e.text) for e in events] + [parser.finish()]
+    content = "".join(p.content for p in parts)
+    reasoning = "".join(p.reasoning for p in parts)
+    calls = [c for p in parts for c in p.tool_calls]
+    message: dict = {"role": "assistant", "content": content if content or not calls else None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [tool_call_json(c) for c in calls]
     last = events[-1]
     return {
-        "id": gen.request_id,
+        "id": job.gen.request_id,
         "object": "chat.completion",
-        "created": created,
-        "model": model,
+        "created": job.created,
+        "model": job.model,
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "".join(e.text for e in events)},
+                "message": message,
                 "logprobs": None,
-                "finish_reason": finish_reason_name(last),
+                "finish_reason": finish_name(last, parser),
             }
         ],
         "usage": usage(last),
@@ -75,32 +175,50 @@ def chat_json(gen: GenerationRequest, model: str, created: int, events: list[Tok
 async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     model = check_model(config_of(request), body.model)
-    gen = to_generation_request(request, body)
-    stream = scheduler_of(request).submit(gen)
-    created = int(time.time())
+    job = to_job(request, body, model)
+    stream = scheduler_of(request).submit(job.gen)
+    parser = new_parser(request, job)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = chat_chunks(gen, model, created, events_until_done(request, stream), include_usage)
+        chunks = chat_chunks(job, parser, events_until_done(request, stream), include_usage)
         return StreamingResponse(chunks, media_type="text/event-stream")
     events = await collect_unless_disconnected(request, stream)
     if events is None:
         return Response(status_code=499)
-    return JSONResponse(chat_json(gen, model, created, events))
+    return JSONResponse(chat_json(job, parser, events))
+
+
+def delta_fields(delta: ParsedDelta, first_tool_index: int) -> list[dict]:
+    """The OpenAI `delta` objects for one parsed piece of output."""
+    deltas = []
+    if delta.reasoning:
+        deltas.append({"reasoning_content": delta.reasoning})
+    if delta.content:
+        deltas.append({"content": delta.content})
+    if delta.tool_calls:
+        deltas.append(
+            {
+                "tool_calls": [
+                    tool_call_json(call, first_tool_index + i)
+                    for i, call in enumerate(delta.tool_calls)
+                ]
+            }
+        )
+    return deltas
 
 
 async def chat_chunks(
-    gen: GenerationRequest,
-    model: str,
-    created: int,
+    job: ChatJob,
+    parser: OutputParser,
     events: AsyncIterator[TokenEvent],
     include_usage: bool,
 ) -> AsyncIterator[str]:
     def chunk(delta: dict, finish: str | None) -> dict:
         return {
-            "id": gen.request_id,
+            "id": job.gen.request_id,
             "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
+            "created": job.created,
+            "model": job.model,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
         }
 
@@ -109,10 +227,19 @@ async def chat_chunks(
     try:
         async for event in events:
             last = event
-            if event.text:
-                yield sse_data(chunk({"content": event.text}, None))
+            before = parser.tool_calls_emitted
+            parsed = parser.feed(event.text)
             if event.final:
-                final = chunk({}, finish_reason_name(event))
+                tail = parser.finish()
+                parsed = ParsedDelta(
+                    parsed.content + tail.content,
+                    parsed.reasoning + tail.reasoning,
+                    parsed.tool_calls + tail.tool_calls,
+                )
+            for delta in delta_fields(parsed, before):
+                yield sse_data(chunk(delta, None))
+            if event.final:
+                final = chunk({}, finish_name(event, parser))
                 yield sse_data({**final, "speculation": event.speculation})
     except (RequestFailed, RequestAborted) as exc:
         yield sse_data(openai_error_body(from_tandem_error(exc)))

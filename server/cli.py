@@ -68,6 +68,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them",
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        help="auto (inferred from the chat template), none, or an mlx_lm.tool_parsers module",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=["auto", "none", "think", "deepseek_r1"],
+        help="how <think> blocks become reasoning_content / thinking",
+    )
     parser.add_argument("--inject-fault-on", help=argparse.SUPPRESS)  # test hook
     parser.add_argument(
         "--max-tokens",

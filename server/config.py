@@ -22,3 +22,5 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     rate_limit_per_minute: float = 0.0  # per API key (or client address); 0 = off
     shutdown_timeout: float = 30.0
+    tool_call_parser: str = "auto"  # auto (from the chat template), none, or an mlx-lm parser
+    reasoning_parser: str = "auto"  # auto (from the vocabulary), none, think, deepseek_r1

@@ -78,3 +78,36 @@ def openai_error_body(error: ApiError) -> dict:
 
 def openai_error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(openai_error_body(error), status_code=error.status, headers=error.headers)
+
+
+ANTHROPIC_PATHS = ("/v1/messages",)
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def anthropic_error_body(error: ApiError) -> dict:
+    """Anthropic's shape: {"type": "error", "error": {"type", "message"}}."""
+    kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def error_body_for(path: str, error: ApiError) -> dict:
+    """Each API answers errors in its own shape."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return anthropic_error_body(error)
+    return openai_error_body(error)
+
+
+def error_response_for(path: str, error: ApiError) -> JSONResponse:
+    return JSONResponse(
+        error_body_for(path, error), status_code=error.status, headers=error.headers
+    )

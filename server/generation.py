@@ -71,6 +71,7 @@ def build_request(
     vocab_size: int,
     surface: str,
 ) -> GenerationRequest:
+    """An OpenAI-shaped body (completions, chat) -> GenerationRequest."""
     if body.n != 1:
         raise bad_request("n > 1 is not supported; send separate requests", "n")
     return GenerationRequest(
@@ -80,10 +81,17 @@ def build_request(
         sampling=sampling_params(body, vocab_size),
         stop=stop_strings(body.stop),
         ignore_eos=body.ignore_eos,
-        speculation=SpeculationOverrides(
-            enable_pld=body.enable_pld,
-            enable_draft=body.enable_draft,
-            num_draft_tokens=body.num_draft_tokens,
+        speculation=speculation_overrides(
+            body.enable_pld, body.enable_draft, body.num_draft_tokens
         ),
         surface=surface,
+    )
+
+
+def speculation_overrides(
+    enable_pld: bool | None, enable_draft: bool | None, num_draft_tokens: int | None
+) -> SpeculationOverrides:
+    """The per-request speculation switches every surface accepts."""
+    return SpeculationOverrides(
+        enable_pld=enable_pld, enable_draft=enable_draft, num_draft_tokens=num_draft_tokens
     )

@@ -100,3 +100,19 @@ async def events_until_done(request: Request, stream: RequestStream) -> AsyncIte
         if not stream.done:
             request.app.state.metrics.count_disconnect()
         stream.cancel()
+
+
+def output_markers(request: Request):
+    """The model's reasoning/tool markers, resolved once per app (the tokenizer exists
+    only after the model loaded)."""
+    from server.output_parser import OutputMarkers
+
+    state = request.app.state
+    if getattr(state, "output_markers", None) is None:
+        config = config_of(request)
+        state.output_markers = OutputMarkers.for_tokenizer(
+            scheduler_of(request).model_info.tokenizer,
+            config.tool_call_parser,
+            config.reasoning_parser,
+        )
+    return state.output_markers

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.auth import presented_key
-from server.errors import ApiError, openai_error_response
+from server.errors import ApiError, error_response_for
 
 
 class BodyTooLarge(Exception):
@@ -68,7 +68,7 @@ class BodySizeLimit:
             "invalid_request_error",
             code="request_too_large",
         )
-        await openai_error_response(error)(scope, receive, send)
+        await error_response_for(scope["path"], error)(scope, receive, send)
 
 
 @dataclass
@@ -118,4 +118,4 @@ class RateLimit:
             code="rate_limit_exceeded",
             headers={"Retry-After": str(max(1, round(wait)))},
         )
-        await openai_error_response(error)(scope, receive, send)
+        await error_response_for(scope["path"], error)(scope, receive, send)

@@ -7,6 +7,7 @@ with the tokenizer's chat template and then encoded the same way.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from server.errors import ApiError, bad_request
@@ -53,21 +54,35 @@ def message_text(message: ChatMessage, index: int) -> str:
     return "".join(texts)
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
+@dataclass
+class RenderedChat:
+    ids: list[int]
+    text: str
+    starts_in_reasoning: bool  # the template opened a <think> block for the reply
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list | None = None,
+    think_start: str | None = None,
+    param: str = "messages",
+) -> RenderedChat:
+    """Render normalised messages ({"role", "content", "tool_calls"?, ...}, with tool
+    call arguments as objects) through the model's chat template and encode them."""
     if not tokenizer.has_chat_template:
         raise ApiError(
             400,
             "this model has no chat template; use /v1/completions with a plain prompt",
             "invalid_request_error",
-            param="messages",
+            param=param,
             code="no_chat_template",
         )
-    rendered = [
-        {"role": "system" if m.role == "developer" else m.role, "content": message_text(m, i)}
-        for i, m in enumerate(messages)
-    ]
     try:
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+        )
     except Exception as exc:  # noqa: BLE001 - templates raise arbitrary errors on bad input
-        raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from exc
-    return encode_text(tokenizer, text)
+        raise bad_request(f"the chat template rejected these messages: {exc}", param) from exc
+    starts_in_reasoning = bool(think_start) and text.rstrip().endswith(think_start)
+    return RenderedChat(encode_text(tokenizer, text), text, starts_in_reasoning)

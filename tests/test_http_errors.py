@@ -32,6 +32,10 @@ BAD_REQUESTS = [
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
     (CHAT, {"messages": [{"role": "user", "content": 7}]}, 400, None),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+     400, "tools"),
+    (CHAT, {"messages": USER, "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
     (
         CHAT,

@@ -292,7 +292,7 @@ def test_sigterm_drains_in_flight_stream_to_done_and_exits_zero(tiny_model_dir):
     )
     server.wait_healthy()
     sink: list[str] = []
-    thread = stream_in_thread(server.url, 600, sink)
+    thread = stream_in_thread(server.url, 1990, sink)
     wait_for_first_line(sink)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.1)

@@ -1,0 +1,148 @@
+"""Splitting generated text into content, reasoning and tool calls, as it streams.
+
+Built on mlx-lm's `TextStateMachine` (text-level matching of markers such as
+`<think>` and `<tool_call>`, holding back partial markers) and its tool parsers
+(`mlx_lm.tool_parsers.*.parse_tool_call`). Markers come from the tokenizer (what
+mlx-lm infers from the chat template and vocabulary) unless overridden with
+--tool-call-parser / --reasoning-parser. Every API surface formats the same
+`ParsedDelta`s in its own shape.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_lm.generate import TextStateMachine
+
+log = logging.getLogger(__name__)
+
+NORMAL, REASONING, TOOL = "normal", "reasoning", "tool"
+REASONING_PARSERS = {"think": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}
+
+
+@dataclass(frozen=True)
+class OutputMarkers:
+    """Which markers this model uses; None disables that split."""
+
+    think: tuple[str, str] | None = None
+    tool: tuple[str, str | None] | None = None
+    tool_parser: Callable[[str, Any], Any] | None = None
+
+    @classmethod
+    def for_tokenizer(
+        cls, tokenizer: Any, tool_call_parser: str = "auto", reasoning_parser: str = "auto"
+    ) -> OutputMarkers:
+        think = None
+        if reasoning_parser == "auto" and tokenizer.has_thinking:
+            think = (tokenizer.think_start, tokenizer.think_end)
+        elif reasoning_parser in REASONING_PARSERS:
+            think = REASONING_PARSERS[reasoning_parser]
+        tool, parser = None, None
+        if tool_call_parser == "auto" and tokenizer.has_tool_calling:
+            tool, parser = (
+                (tokenizer.tool_call_start, tokenizer.tool_call_end),
+                (tokenizer.tool_parser),
+            )
+        elif tool_call_parser not in ("auto", "none"):
+            module = importlib.import_module(f"mlx_lm.tool_parsers.{tool_call_parser}")
+            tool, parser = (module.tool_call_start, module.tool_call_end), module.parse_tool_call
+        return cls(think, tool, parser)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def arguments_object(self) -> dict:
+        try:
+            value = json.loads(self.arguments)
+        except json.JSONDecodeError:
+            return {}
+        return value if isinstance(value, dict) else {}
+
+
+@dataclass
+class ParsedDelta:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+
+class OutputParser:
+    """Feed text deltas; get back what is safe to emit, split by kind. Tool calls are
+    parsed only when the request offered tools; otherwise their markup is content."""
+
+    def __init__(
+        self,
+        markers: OutputMarkers,
+        tools: list | None = None,
+        start_in_reasoning: bool = False,
+    ) -> None:
+        self.tools = tools
+        self.parser = markers.tool_parser
+        transitions: dict[str, list] = {NORMAL: []}
+        if markers.think:
+            transitions[NORMAL].append((markers.think[0], REASONING))
+            transitions[REASONING] = [(markers.think[1], NORMAL)]
+        if markers.tool and tools and self.parser:
+            start, end = markers.tool
+            transitions[NORMAL].append((start, TOOL))
+            if REASONING in transitions:
+                transitions[REASONING].append((start, TOOL))
+            transitions[TOOL] = [(end, NORMAL)] if end else []
+        self.machine = TextStateMachine(transitions)
+        initial = REASONING if start_in_reasoning and markers.think else NORMAL
+        self.state = self.machine.make_state(initial)
+        self.tool_text = ""
+        self.tool_calls_emitted = 0
+
+    def feed(self, text: str) -> ParsedDelta:
+        self.state, segments = TextStateMachine.split(self.state, text)
+        return self._collect(segments)
+
+    def finish(self) -> ParsedDelta:
+        """End of generation: release held text; a tool call without an end marker ends here."""
+        self.state, held, current = TextStateMachine.flush(self.state)
+        delta = self._collect([(current, held)])
+        if self.tool_text.strip():
+            self._complete_tool_call(delta)
+        return delta
+
+    def _collect(self, segments: list[tuple[str | None, str]]) -> ParsedDelta:
+        delta = ParsedDelta()
+        for index, (state, text) in enumerate(segments):
+            if state == REASONING:
+                delta.reasoning += text
+            elif state == TOOL:
+                self.tool_text += text
+                if index < len(segments) - 1:  # the machine left the tool state
+                    self._complete_tool_call(delta)
+            else:
+                delta.content += text
+        return delta
+
+    def _complete_tool_call(self, delta: ParsedDelta) -> None:
+        text, self.tool_text = self.tool_text, ""
+        try:
+            parsed = self.parser(text, self.tools)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("could not parse a tool call (%s); returning it as text", exc)
+            delta.content += text
+            return
+        for call in parsed if isinstance(parsed, list) else [parsed]:
+            arguments = call.get("arguments", {})
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            delta.tool_calls.append(ToolCall(str(call.get("name", "")), arguments))
+            self.tool_calls_emitted += 1

@@ -1,0 +1,45 @@
+"""A test logits processor that makes the tiny random model write a chosen text.
+
+A tiny model cannot decide to call a tool or to think, so tests drive the real
+engines with a processor that, at each position after the prompt, leaves only the
+scripted token: the model still runs and is verified like any output, and the
+speculative engine drafts and verifies it like any other text.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engines.request import GenerationRequest
+
+MARKER = "FORCE:"
+
+
+def forced_tokens_processor(prompt_length: int, script: list[int]):
+    def force(tokens: mx.array, logits: mx.array) -> mx.array:
+        position = len(tokens) - prompt_length
+        target = script[min(position, len(script) - 1)]
+        keep = mx.arange(logits.shape[-1]) == target
+        return mx.where(keep, logits, -1e9)
+
+    return force
+
+
+def forcing_factory(tokenizer, scripts: dict[str, str]):
+    """`logits_processor_factory` for SchedulerConfig: a prompt containing
+    "FORCE:<name>" (the last such marker counts) is answered with scripts[name], then EOS."""
+    eos = min(tokenizer.eos_token_ids)
+    encoded = {
+        name: [*tokenizer.encode(text, add_special_tokens=False), eos]
+        for name, text in scripts.items()
+    }
+
+    def factory(request: GenerationRequest) -> list:
+        prompt = tokenizer.decode(list(request.prompt_tokens))
+        found = {prompt.rfind(f"{MARKER}{name}"): name for name in encoded}
+        last = max(found)
+        if last < 0:
+            return []
+        return [forced_tokens_processor(len(request.prompt_tokens), encoded[found[last]])]
+
+    return factory

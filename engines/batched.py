@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from engines.logprobs import token_logprob
 from engines.registry import ModelRegistry
 from engines.request import SamplingParams
 from engines.sampling import RandomStream, sampling_logits
@@ -153,11 +154,14 @@ class BatchedEngine:
                 )
                 self._forget(response.uid, seq, still_in_generator=response.finish_reason is None)
                 continue
-            outputs.append(
-                StepOutput(
-                    seq.request_id, [response.token], text, seq.finish_reason, seq.matched_stop
-                )
+            output = StepOutput(
+                seq.request_id, [response.token], text, seq.finish_reason, seq.matched_stop
             )
+            if seq.request.logprobs is not None:
+                output.logprobs = [
+                    token_logprob(response.logprobs, response.token, seq.request.logprobs)
+                ]
+            outputs.append(output)
             if seq.finished:
                 self._forget(response.uid, seq, still_in_generator=response.finish_reason is None)
         return outputs

@@ -20,6 +20,8 @@ CHAT_SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>"]
 # Reasoning and tool-call markers as single tokens, as in Qwen3-style models, so
 # mlx-lm infers thinking support and the json_tools parser for the demo model.
 MARKER_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+# Fill-in-the-middle markers (Qwen2.5-Coder style), so /v1/completions `suffix` works.
+FIM_TOKENS = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
 LAYER_WEIGHT_SCALE = 4.0
 
 # ChatML; tools go in the system turn, assistant tool calls are <tool_call> JSON
@@ -108,7 +110,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[BOS_TOKEN, EOS_TOKEN, *CHAT_SPECIAL_TOKENS, *MARKER_TOKENS],
+        special_tokens=[BOS_TOKEN, EOS_TOKEN, *CHAT_SPECIAL_TOKENS, *MARKER_TOKENS, *FIM_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -123,7 +125,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
         tokenizer_object=tokenizer,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
-        additional_special_tokens=[*CHAT_SPECIAL_TOKENS, *MARKER_TOKENS],
+        additional_special_tokens=[*CHAT_SPECIAL_TOKENS, *MARKER_TOKENS, *FIM_TOKENS],
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))

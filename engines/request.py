@@ -49,3 +49,4 @@ class GenerationRequest:
     ignore_eos: bool = False
     speculation: SpeculationOverrides = field(default_factory=SpeculationOverrides)
     surface: str = ""  # which API asked (for logs and metrics only)
+    logprobs: int | None = None  # report each token's logprob and this many alternatives

@@ -34,6 +34,7 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     matched_stop: str | None = None
     error: str | None = None
+    logprobs: list | None = None  # TokenLogprob per token, when the request asked
 
 
 @dataclass

@@ -24,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs
 from engines.drafters import DRAFT, PLD, Draft, DraftModelDrafter, PromptLookupDrafter
 from engines.gates import CostModel, MethodGate, prompt_repetition_score, speedup
+from engines.logprobs import token_logprob
 from engines.registry import ModelRegistry
 from engines.sampling import filter_logprobs, sample_token
 from engines.sequence import FinishReason, Sequence, StepOutput
@@ -63,6 +64,7 @@ class _Active:
     processors: list
     gates: dict[str, MethodGate] = field(default_factory=dict)
     in_flight: mx.array | None = None  # a plain token sampled but not committed
+    in_flight_logprobs: mx.array | None = None  # the distribution it was sampled from
     history: mx.array | None = None  # tokens in the cache (+ in flight), for penalties
 
     @property
@@ -126,9 +128,7 @@ class SpeculativeEngine:
         """Continue a sequence from exported state, without re-prefilling its cache."""
         assert self.active is None, "the speculative engine serves one sequence at a time"
         seq = state.seq
-        active = _Active(
-            seq, state.cache, state.cached, seq.processors
-        )
+        active = _Active(seq, state.cache, state.cached, seq.processors)
         if active.processors:
             active.history = mx.array(active.tokens[: state.cached], dtype=mx.int32)
         active.gates = state.gates if state.gates is not None else self._initial_gates(seq)
@@ -187,7 +187,9 @@ class SpeculativeEngine:
             draft = self._propose(active)
             if draft is not None:
                 return self._verify(active, draft)
-            active.in_flight = self._forward_and_sample(active, mx.array(active.tokens[-1:]))
+            active.in_flight, active.in_flight_logprobs = self._forward_and_sample(
+                active, mx.array(active.tokens[-1:])
+            )
             active.cached += 1
         return self._commit_in_flight(pipeline=True)
 
@@ -201,30 +203,33 @@ class SpeculativeEngine:
         active.cached += chunk.size
         mx.clear_cache()
 
-    def _forward_and_sample(self, active: _Active, tokens: mx.array) -> mx.array:
-        """One plain target step on `tokens` (shape (1,)); returns the sampled token."""
+    def _forward_and_sample(self, active: _Active, tokens: mx.array) -> tuple[mx.array, mx.array]:
+        """One plain target step on `tokens` (shape (1,)); returns the sampled token and
+        the log-probabilities it was sampled from (lazy arrays)."""
         logits = self.model(tokens[None], cache=active.cache)[:, -1, :]
         if active.processors:
             active.history = mx.concat([active.history, tokens])
             for processor in active.processors:
                 logits = processor(active.history, logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return sample_token(active.seq.request.sampling, logprobs, active.seq.rng)
+        return sample_token(active.seq.request.sampling, logprobs, active.seq.rng), logprobs
 
     def _commit_in_flight(self, pipeline: bool) -> list[StepOutput]:
         active = self.active
         seq = active.seq
-        current = active.in_flight
-        active.in_flight = None
+        current, current_logprobs = active.in_flight, active.in_flight_logprobs
+        active.in_flight = active.in_flight_logprobs = None
         tokens_left = seq.request.max_tokens - len(seq.generated) - 1
         if pipeline and tokens_left > 0 and self._next_step_is_plain(active):
-            active.in_flight = self._forward_and_sample(active, current)
+            active.in_flight, active.in_flight_logprobs = self._forward_and_sample(active, current)
             mx.async_eval(active.in_flight)
             active.cached += 1
         for gate in active.gates.values():
             gate.plain_token()
         token = current.item()
         output = StepOutput(seq.request_id, [token], seq.commit(token))
+        if seq.request.logprobs is not None:
+            output.logprobs = [token_logprob(current_logprobs[0], token, seq.request.logprobs)]
         return self._finish_step(output)
 
     def _next_step_is_plain(self, active: _Active) -> bool:
@@ -292,6 +297,11 @@ class SpeculativeEngine:
             if seq.finished:
                 break
         output = StepOutput(seq.request_id, committed[: len(text)], "".join(text))
+        if seq.request.logprobs is not None:
+            output.logprobs = [
+                token_logprob(logprobs[j], token, seq.request.logprobs)
+                for j, token in enumerate(output.token_ids)
+            ]
         return self._finish_step(output)
 
     def _process_rows(self, active: _Active, logits: mx.array, fed: list[int]) -> mx.array:

@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engines.request import GenerationRequest
-
 from engines.gates import CostModel
+from engines.request import GenerationRequest
 
 
 @dataclass(frozen=True)

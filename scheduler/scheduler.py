@@ -469,7 +469,9 @@ class Scheduler:
             del self._running[output.request_id]
             self._finish(tracked, output.finish_reason, output=output, error=output.error)
             return
-        self._deliver(tracked, self._event(tracked, output.token_ids, output.text))
+        self._deliver(
+            tracked, self._event(tracked, output.token_ids, output.text, logprobs=output.logprobs)
+        )
 
     def _finish(
         self,
@@ -485,6 +487,7 @@ class Scheduler:
             output.text if output else "",
             finish_reason=reason,
             matched_stop=output.matched_stop if output else None,
+            logprobs=output.logprobs if output else None,
             error=error,
             error_kind=error_kind or ("failed" if reason == FinishReason.ERROR else None),
             speculation=tracked.seq.spec.as_dict() if tracked.seq else None,

@@ -31,6 +31,7 @@ class TokenEvent:
     matched_stop: str | None = None
     error: str | None = None
     error_kind: str | None = None  # failed | aborted | timeout
+    logprobs: list | None = None  # engines.logprobs.TokenLogprob per token, when asked
     speculation: dict | None = None  # per-request drafted/accepted stats, on the final event
     timings: dict[str, float] = field(default_factory=dict)
 

@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -28,6 +29,7 @@ from server.http import (
     parse_body,
     scheduler_of,
 )
+from server.logprobs_format import chat_logprobs, merge
 from server.output_parser import OutputParser, ParsedDelta, ToolCall
 from server.prompts import message_text, render_chat
 from server.schemas import ChatCompletionRequest, ChatMessage
@@ -43,6 +45,7 @@ class ChatJob:
     model: str
     tools: list | None
     starts_in_reasoning: bool
+    tokenizer: Any
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -54,8 +57,6 @@ def refuse_unsupported(body: ChatCompletionRequest) -> None:
             "have; ask for JSON in the prompt and validate it client-side",
             "response_format",
         )
-    if body.logprobs:
-        raise bad_request("logprobs is not supported on chat yet", "logprobs")
     choice = body.tool_choice
     if choice not in (None, "auto", "none"):
         raise bad_request(
@@ -119,10 +120,17 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
     max_tokens = effective_max_tokens(
         requested, len(rendered.ids), info.context_length, config.max_tokens
     )
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
     gen = build_request(
-        new_request_id("chatcmpl"), body, rendered.ids, max_tokens, len(info.tokenizer), "chat"
+        new_request_id("chatcmpl"),
+        body,
+        rendered.ids,
+        max_tokens,
+        len(info.tokenizer),
+        "chat",
+        logprobs=logprobs,
     )
-    return ChatJob(gen, model, tools, rendered.starts_in_reasoning)
+    return ChatJob(gen, model, tools, rendered.starts_in_reasoning, info.tokenizer)
 
 
 def new_parser(request: Request, job: ChatJob) -> OutputParser:
@@ -141,6 +149,12 @@ def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
         "function": {"name": call.name, "arguments": call.arguments},
     }
     return out if index is None else {"index": index, **out}
+
+
+def choice_logprobs(job: ChatJob, events: list[TokenEvent]) -> dict | None:
+    if job.gen.logprobs is None:
+        return None
+    return {"content": chat_logprobs(job.tokenizer, merge(events))}
 
 
 def chat_json(job: ChatJob, parser: OutputParser, events: list[TokenEvent]) -> dict:
@@ -163,7 +177,7 @@ def chat_json(job: ChatJob, parser: OutputParser, events: list[TokenEvent]) -> d
             {
                 "index": 0,
                 "message": message,
-                "logprobs": None,
+                "logprobs": choice_logprobs(job, events),
                 "finish_reason": finish_name(last, parser),
             }
         ],
@@ -213,13 +227,14 @@ async def chat_chunks(
     events: AsyncIterator[TokenEvent],
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    def chunk(delta: dict, finish: str | None) -> dict:
+    def chunk(delta: dict, finish: str | None, logprobs: dict | None = None) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {
             "id": job.gen.request_id,
             "object": "chat.completion.chunk",
             "created": job.created,
             "model": job.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            "choices": [choice],
         }
 
     yield sse_data(chunk({"role": "assistant", "content": ""}, None))
@@ -236,8 +251,12 @@ async def chat_chunks(
                     parsed.reasoning + tail.reasoning,
                     parsed.tool_calls + tail.tool_calls,
                 )
+            logprobs = choice_logprobs(job, [event]) if event.logprobs else None
             for delta in delta_fields(parsed, before):
-                yield sse_data(chunk(delta, None))
+                yield sse_data(chunk(delta, None, logprobs))
+                logprobs = None
+            if logprobs:  # tokens whose text is still held back (e.g. a partial marker)
+                yield sse_data(chunk({}, None, logprobs))
             if event.final:
                 final = chunk({}, finish_name(event, parser))
                 yield sse_data({**final, "speculation": event.speculation})

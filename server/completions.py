@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -21,48 +23,84 @@ from server.http import (
     parse_body,
     scheduler_of,
 )
-from server.prompts import completion_prompt_ids
+from server.logprobs_format import completion_logprobs, merge
+from server.prompts import completion_prompt_ids, fim_prompt_ids
 from server.schemas import CompletionRequest
 from server.sse import DONE, sse_data
 from server.usage import finish_reason_name, usage
 
 
 def refuse_unsupported(body: CompletionRequest) -> None:
-    if body.echo:
-        raise bad_request("echo is not supported yet", "echo")
-    if body.logprobs:
-        raise bad_request("logprobs is not supported yet", "logprobs")
-    if body.suffix:
-        raise bad_request("suffix (fill-in-the-middle) is not supported by this model", "suffix")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo together with logprobs (prompt logprobs) is not supported", "echo")
+    if body.echo and body.suffix:
+        raise bad_request("echo cannot be combined with suffix", "echo")
     if body.best_of not in (None, 1):
         raise bad_request("best_of > 1 is not supported", "best_of")
 
 
-def to_generation_request(request: Request, body: CompletionRequest) -> GenerationRequest:
+@dataclass
+class CompletionJob:
+    gen: GenerationRequest
+    model: str
+    echo_text: str  # the prompt, when echo was asked for
+    tokenizer: Any
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def prompt_ids_for(tokenizer: Any, body: CompletionRequest) -> list[int]:
+    if body.suffix:
+        if not isinstance(body.prompt, str):
+            raise bad_request("suffix needs a text prompt", "prompt")
+        return fim_prompt_ids(tokenizer, body.prompt, body.suffix)
+    return completion_prompt_ids(tokenizer, body.prompt)
+
+
+def to_job(request: Request, body: CompletionRequest, model: str) -> CompletionJob:
     config = config_of(request)
-    info = scheduler_of(request).model_info
+    tokenizer = scheduler_of(request).model_info.tokenizer
+    context = scheduler_of(request).model_info.context_length
     refuse_unsupported(body)
-    prompt_ids = completion_prompt_ids(info.tokenizer, body.prompt)
-    max_tokens = effective_max_tokens(
-        body.max_tokens, len(prompt_ids), info.context_length, config.max_tokens
+    prompt_ids = prompt_ids_for(tokenizer, body)
+    max_tokens = effective_max_tokens(body.max_tokens, len(prompt_ids), context, config.max_tokens)
+    gen = build_request(
+        new_request_id("cmpl"),
+        body,
+        prompt_ids,
+        max_tokens,
+        len(tokenizer),
+        "completions",
+        logprobs=body.logprobs,
     )
-    return build_request(
-        new_request_id("cmpl"), body, prompt_ids, max_tokens, len(info.tokenizer), "completions"
-    )
+    echo = echo_text(tokenizer, body.prompt) if body.echo else ""
+    return CompletionJob(gen, model, echo, tokenizer)
 
 
-def completion_json(gen: GenerationRequest, model: str, created: int, events: list[TokenEvent]):
+def echo_text(tokenizer: Any, prompt: str | list) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if prompt and isinstance(prompt[0], str):
+        return prompt[0]
+    return tokenizer.decode(list(prompt))
+
+
+def completion_json(job: CompletionJob, events: list[TokenEvent]) -> dict:
     last = events[-1]
+    logprobs = None
+    if job.gen.logprobs is not None:
+        logprobs, _ = completion_logprobs(job.tokenizer, merge(events), 0)
     return {
-        "id": gen.request_id,
+        "id": job.gen.request_id,
         "object": "text_completion",
-        "created": created,
-        "model": model,
+        "created": job.created,
+        "model": job.model,
         "choices": [
             {
                 "index": 0,
-                "text": "".join(e.text for e in events),
-                "logprobs": None,
+                "text": job.echo_text + "".join(e.text for e in events),
+                "logprobs": logprobs,
                 "finish_reason": finish_reason_name(last),
             }
         ],
@@ -74,50 +112,46 @@ def completion_json(gen: GenerationRequest, model: str, created: int, events: li
 async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     model = check_model(config_of(request), body.model)
-    gen = to_generation_request(request, body)
-    stream = scheduler_of(request).submit(gen)
-    created = int(time.time())
+    job = to_job(request, body, model)
+    stream = scheduler_of(request).submit(job.gen)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = completion_chunks(
-            gen, model, created, events_until_done(request, stream), include_usage
-        )
+        chunks = completion_chunks(job, events_until_done(request, stream), include_usage)
         return StreamingResponse(chunks, media_type="text/event-stream")
     events = await collect_unless_disconnected(request, stream)
     if events is None:
         return Response(status_code=499)
-    return JSONResponse(completion_json(gen, model, created, events))
+    return JSONResponse(completion_json(job, events))
 
 
 async def completion_chunks(
-    gen: GenerationRequest,
-    model: str,
-    created: int,
-    events: AsyncIterator[TokenEvent],
-    include_usage: bool,
+    job: CompletionJob, events: AsyncIterator[TokenEvent], include_usage: bool
 ) -> AsyncIterator[str]:
-    def chunk(text: str, finish: str | None) -> dict:
+    def chunk(text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return {
-            "id": gen.request_id,
+            "id": job.gen.request_id,
             "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "created": job.created,
+            "model": job.model,
+            "choices": [choice],
         }
 
-    last = None
+    if job.echo_text:
+        yield sse_data(chunk(job.echo_text, None))
+    last, offset = None, 0
     try:
         async for event in events:
             last = event
+            logprobs = None
+            if job.gen.logprobs is not None and event.logprobs:
+                logprobs, offset = completion_logprobs(job.tokenizer, event.logprobs, offset)
+            finish = finish_reason_name(event)
             if event.final:
-                yield sse_data(
-                    {
-                        **chunk(event.text, finish_reason_name(event)),
-                        "speculation": event.speculation,
-                    }
-                )
-            elif event.text:
-                yield sse_data(chunk(event.text, None))
+                final = chunk(event.text, finish, logprobs)
+                yield sse_data({**final, "speculation": event.speculation})
+            elif event.text or logprobs:
+                yield sse_data(chunk(event.text, None, logprobs))
     except (RequestFailed, RequestAborted) as exc:
         yield sse_data(openai_error_body(from_tandem_error(exc)))
     if include_usage and last is not None:

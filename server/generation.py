@@ -70,6 +70,7 @@ def build_request(
     max_tokens: int,
     vocab_size: int,
     surface: str,
+    logprobs: int | None = None,
 ) -> GenerationRequest:
     """An OpenAI-shaped body (completions, chat) -> GenerationRequest."""
     if body.n != 1:
@@ -85,6 +86,7 @@ def build_request(
             body.enable_pld, body.enable_draft, body.num_draft_tokens
         ),
         surface=surface,
+        logprobs=logprobs,
     )
 
 

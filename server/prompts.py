@@ -39,6 +39,31 @@ def completion_prompt_ids(tokenizer: Any, prompt: str | list) -> list[int]:
     raise bad_request("exactly one prompt per request is supported", "prompt")
 
 
+FIM_TOKEN_SETS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, DeepSeek-style
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder
+    ("<PRE>", "<SUF>", "<MID>"),  # Code Llama
+)
+
+
+def fim_tokens(tokenizer: Any) -> tuple[str, str, str] | None:
+    """The model's fill-in-the-middle markers, if its vocabulary has a known set."""
+    vocab = tokenizer.get_vocab()
+    return next((s for s in FIM_TOKEN_SETS if all(t in vocab for t in s)), None)
+
+
+def fim_prompt_ids(tokenizer: Any, prefix: str, suffix: str) -> list[int]:
+    """Prefix-suffix-middle order: the model writes what goes between the two."""
+    markers = fim_tokens(tokenizer)
+    if markers is None:
+        raise bad_request(
+            "suffix needs fill-in-the-middle tokens, which this model's tokenizer lacks",
+            "suffix",
+        )
+    prefix_marker, suffix_marker, middle_marker = markers
+    return encode_text(tokenizer, f"{prefix_marker}{prefix}{suffix_marker}{suffix}{middle_marker}")
+
+
 def message_text(message: ChatMessage, index: int) -> str:
     content = message.content
     if content is None or isinstance(content, str):

@@ -12,6 +12,7 @@ import sys
 def main(argv: list[str]) -> None:
     commands = {
         "spec": "bench.spec",
+        "hybrid": "bench.hybrid",
         "single": "bench.single_stream",
         "serve": "bench.serve",
         "plot": "bench.plot",

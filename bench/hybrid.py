@@ -1,0 +1,232 @@
+"""Hybrid vs batch-only vs speculative-only, side by side in one run, plus the cost
+of a mode switch.
+
+    tandem bench hybrid MODEL [--draft-model D] [--concurrency 1,2,4,8] [--max-tokens 64]
+
+Starts `tandem serve` three times on 127.0.0.1 -- hybrid (--batch-threshold 2),
+batch-only (--batch-threshold 1) and speculative-only (a threshold no load reaches:
+requests beyond the first wait) -- and load-tests each with `tandem bench serve`.
+Then, against the hybrid server, one long stream runs alone (speculative) and a
+second request arrives mid-stream: it reports the newcomer's TTFT and the first
+stream's largest inter-token gap around the switch vs its median gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.models import resolve_model
+from bench.serve import main as bench_serve
+from bench.single_stream import free_port
+
+MODES = {
+    "hybrid": ["--batch-threshold", "2"],
+    "batch-only": ["--batch-threshold", "1"],
+    "spec-only": ["--batch-threshold", "100000", "--max-num-seqs", "1"],
+}
+SWITCH_PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play"
+
+
+def start_server(model: str, draft: str | None, extra: list[str], port: int) -> subprocess.Popen:
+    tandem = str(Path(sys.executable).parent / "tandem")
+    cmd = [
+        tandem,
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "bench",
+        "--log-level",
+        "warning",
+        "--max-tokens",
+        "4096",
+        *extra,
+    ]
+    if draft:
+        cmd += ["--draft-model", draft]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited during startup: {' '.join(cmd)}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise SystemExit("server did not become healthy")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def stream_times(url: str, max_tokens: int, stamps: list[float], started: list[float]) -> None:
+    payload = {
+        "model": "bench",
+        "prompt": SWITCH_PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    started.append(time.perf_counter())
+    with httpx.stream("POST", f"{url}/v1/completions", json=payload, timeout=600) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
+                stamps.append(time.perf_counter())
+
+
+def switch_probe(url: str, long_tokens: int, join_after: int, short_tokens: int) -> dict:
+    """A stream alone, then a second request joins: what does the switch cost?"""
+    first: list[float] = []
+    first_started: list[float] = []
+    thread = threading.Thread(target=stream_times, args=(url, long_tokens, first, first_started))
+    thread.start()
+    while len(first) < join_after:
+        time.sleep(0.001)
+    second: list[float] = []
+    second_started: list[float] = []
+    stream_times(url, short_tokens, second, second_started)
+    thread.join()
+    gaps = [b - a for a, b in zip(first, first[1:], strict=False)]
+    joined_at = second_started[0]
+    around = [
+        b - a
+        for a, b in zip(first, first[1:], strict=False)
+        if a >= joined_at - 1.0 and b <= second[-1] + 1.0
+    ]
+    median = statistics.median(gaps)
+    worst = max(around or gaps)
+    return {
+        "second_request_ttft_ms": 1000 * (second[0] - joined_at),
+        "first_stream_median_gap_ms": 1000 * median,
+        "first_stream_max_gap_around_switch_ms": 1000 * worst,
+        "max_gap_over_median": worst / median,
+    }
+
+
+def mode_switches(url: str) -> dict:
+    stats = httpx.get(f"{url}/v1/stats", timeout=10).json()
+    return stats.get("mode_switches", {})
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="tandem bench hybrid", description=__doc__)
+    parser.add_argument("model")
+    parser.add_argument("--draft-model")
+    parser.add_argument("--concurrency", default="1,2,4,8")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--prompts-per-level",
+        type=int,
+        default=2,
+        help="requests per level = this x concurrency (at least 4)",
+    )
+    parser.add_argument("--dataset", default="mixed")
+    parser.add_argument("--output", type=Path, default=Path("bench/results/hybrid.json"))
+    args = parser.parse_args(argv)
+
+    model = resolve_model(args.model)
+    draft = resolve_model(args.draft_model) if args.draft_model else None
+    levels = [int(c) for c in args.concurrency.split(",")]
+    results: dict = {
+        "model": model,
+        "draft": draft,
+        "blas": describe_blas(),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "modes": {},
+    }
+    for name, extra in MODES.items():
+        port = free_port()
+        proc = start_server(model, draft, extra, port)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            by_level = {}
+            for level in levels:
+                out = bench_serve(
+                    [
+                        "--base-url",
+                        url,
+                        "--concurrency",
+                        str(level),
+                        "--endpoint",
+                        "completions",
+                        "--num-prompts",
+                        str(max(4, args.prompts_per_level * level)),
+                        "--max-tokens",
+                        str(args.max_tokens),
+                        "--dataset",
+                        args.dataset,
+                        "--ignore-eos",
+                        "--warmup",
+                        "1",
+                    ]
+                )
+                by_level[level] = out["levels"][0]
+                results["blas"] = out["server"]["blas"].get("blas", "unknown")
+            results["modes"][name] = {"levels": by_level, "switches": mode_switches(url)}
+            if name == "hybrid":
+                results["switch"] = switch_probe(url, 160, 40, 24)
+        finally:
+            stop(proc)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2, default=str))
+    print(report(results, levels))
+    return results
+
+
+def report(results: dict, levels: list[int]) -> str:
+    lines = [
+        f"model {results['model']}  draft {results['draft']}  BLAS {results['blas']}",
+        f"{'mode':11} {'conc':>4} {'out tok/s':>10} {'p50 TTFT ms':>12} "
+        f"{'p50 ITL ms':>11} {'p99 ITL ms':>11}",
+    ]
+    for name, data in results["modes"].items():
+        for level in levels:
+            row = data["levels"][level]
+            lines.append(
+                f"{name:11} {level:>4} {row['output_throughput']:>10.1f} "
+                f"{row['median_ttft_ms'] or 0:>12.1f} {row['p50_itl_ms'] or 0:>11.1f} "
+                f"{row['p99_itl_ms'] or 0:>11.1f}"
+            )
+    best = {
+        level: max(
+            results["modes"][m]["levels"][level]["output_throughput"]
+            for m in ("batch-only", "spec-only")
+        )
+        for level in levels
+    }
+    for level in levels:
+        hybrid = results["modes"]["hybrid"]["levels"][level]["output_throughput"]
+        lines.append(
+            f"hybrid / best(batch-only, spec-only) at c={level}: {hybrid / best[level]:.2f}"
+        )
+    switch = results.get("switch", {})
+    if switch:
+        lines.append(
+            "switch: second request TTFT {second_request_ttft_ms:.1f} ms; first stream max gap "
+            "{first_stream_max_gap_around_switch_ms:.1f} ms vs median "
+            "{first_stream_median_gap_ms:.1f} ms ({max_gap_over_median:.2f}x)".format(**switch)
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -286,3 +286,19 @@ def test_exposition_parses_and_names_are_bounded(spec_scheduler):
     ):
         assert name in families
     assert Path(__file__).exists()
+
+
+def test_dashboard_metric_list_matches_the_live_exposition(spec_scheduler):
+    """The Grafana dashboard is checked against EXPORTED_METRICS; this keeps that list
+    equal to what /metrics really exports."""
+    from server.metrics import Metrics
+    from tests.test_deploy import EXPORTED_METRICS
+
+    exposition = Metrics("m", spec_scheduler, "openblas").exposition().decode()
+    exported = set()
+    for family in text_string_to_metric_families(exposition):
+        if family.name.endswith("_created"):
+            continue  # prometheus_client's creation timestamps, not metrics of ours
+        suffix = "_total" if family.type == "counter" else ""
+        exported.add(family.name + suffix)
+    assert exported == set(EXPORTED_METRICS)

@@ -133,6 +133,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="a key that may read /metrics (for scrapers); API keys work there too",
     )
+    parser.add_argument(
+        "--metrics-api-key-file", help="file with /metrics keys, one per line (keeps them off ps)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

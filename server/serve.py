@@ -29,12 +29,16 @@ log = logging.getLogger("tandem")
 DEMO_MODEL_NAME = "tandem-demo"
 
 
+def keys_from_file(path: str | None) -> list[str]:
+    if not path:
+        return []
+    lines = Path(path).read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
 def load_api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     """Keys from --api-key (repeatable), --api-key-file (one per line) and TANDEM_API_KEY."""
-    keys = [k.strip() for k in args.api_key]
-    if args.api_key_file:
-        lines = Path(args.api_key_file).read_text().splitlines()
-        keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    keys = [k.strip() for k in args.api_key] + keys_from_file(args.api_key_file)
     keys += [k.strip() for k in os.environ.get("TANDEM_API_KEY", "").split(",")]
     return tuple(dict.fromkeys(k for k in keys if k))
 
@@ -88,7 +92,9 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         max_tokens=args.max_tokens,
         demo=args.demo,
         metrics=not args.no_metrics,
-        metrics_api_keys=tuple(k for k in args.metrics_api_key if k),
+        metrics_api_keys=tuple(
+            k for k in [*args.metrics_api_key, *keys_from_file(args.metrics_api_key_file)] if k
+        ),
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         max_body_bytes=args.max_body_bytes,
         rate_limit_per_minute=args.rate_limit,

@@ -19,6 +19,7 @@ from starlette.routing import Route
 from engines.blas import describe_blas
 from engines.errors import TandemError
 from scheduler import Scheduler, SchedulerState
+from server.anthropic import count_message_tokens, create_message
 from server.auth import ApiKeyMiddleware
 from server.chat import create_chat_completion
 from server.completions import create_completion
@@ -26,6 +27,7 @@ from server.config import ServerConfig
 from server.errors import ApiError, error_response_for, from_tandem_error
 from server.limits import BodySizeLimit, RateLimit
 from server.metrics import Metrics
+from server.responses import create_response, delete_response, retrieve_response
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +109,7 @@ def build_middleware(config: ServerConfig, metrics: Metrics) -> list[Middleware]
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(config.allowed_origins),
-                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                 allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"],
             )
         )
@@ -157,6 +159,11 @@ def create_app(config: ServerConfig, scheduler: Scheduler | None = None) -> Star
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+        Route("/v1/messages", create_message, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"]),
         Route("/v1/stats", stats_endpoint, methods=["GET"]),
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]

@@ -1,0 +1,722 @@
+"""POST /v1/responses (the OpenAI Responses API), JSON and SSE; GET and DELETE of
+stored responses.
+
+Input items become the normalised messages the chat surface renders. Output is split
+by `OutputParser`, then `OutputAssembler` builds the Responses output items (reasoning,
+message, function_call) and, step by step, the stream events that build them: streamed
+and non-streamed responses come from one code path. `previous_response_id` continues a
+conversation kept in `ResponseStore`, a bounded LRU on app.state.
+
+The text inside <think>…</think> is the model's raw reasoning, so it goes where OpenAI
+puts raw chain of thought: `content: [{"type": "reasoning_text"}]` of a reasoning item,
+streamed as `response.reasoning_text.delta`; `summary` stays empty (we write none).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engines.errors import RequestAborted, RequestFailed
+from engines.request import GenerationRequest
+from engines.sequence import FinishReason
+from scheduler import TokenEvent
+from server.errors import ApiError, bad_request, from_tandem_error
+from server.generation import build_request, effective_max_tokens
+from server.http import (
+    check_model,
+    collect_unless_disconnected,
+    config_of,
+    events_until_done,
+    output_markers,
+    parse_body,
+    scheduler_of,
+)
+from server.output_parser import OutputParser, ParsedDelta, ToolCall
+from server.prompts import render_chat
+from server.schemas import FunctionSpec, SamplingFields
+
+DEFAULT_STORE_SIZE = 256
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+
+# --- request models ---------------------------------------------------------------
+
+
+def _type_of(value: Any) -> Any:
+    return value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+
+
+def _part_tag(value: Any) -> str:
+    kind = _type_of(value)
+    if kind in ("input_text", "output_text"):
+        return "text"
+    return "refusal" if kind == "refusal" else "other"
+
+
+def _item_tag(value: Any) -> str:
+    kind = _type_of(value)
+    if kind is None:
+        return "message"  # EasyInputMessage: {"role", "content"} without a type
+    known = ("message", "function_call", "function_call_output", "reasoning")
+    return kind if kind in known else "other"
+
+
+def _tool_tag(value: Any) -> str:
+    return "function" if _type_of(value) == "function" else "other"
+
+
+class TextContent(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["input_text", "output_text"]
+    text: StrictStr
+
+
+class RefusalContent(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["refusal"]
+    refusal: StrictStr
+
+
+class OtherContent(BaseModel):
+    """Images, files, audio: parsed so they can be refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr
+
+
+ContentPart = Annotated[
+    Annotated[TextContent, Tag("text")]
+    | Annotated[RefusalContent, Tag("refusal")]
+    | Annotated[OtherContent, Tag("other")],
+    Discriminator(_part_tag),
+]
+Content = StrictStr | list[ContentPart]
+
+
+class MessageItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Content
+
+
+class FunctionCallItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: StrictStr
+    arguments: StrictStr
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: Content
+
+
+class ReasoningItem(BaseModel):
+    """Earlier reasoning handed back by a client. Chat templates drop the reasoning of
+    past turns, so it is accepted and not rendered."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["reasoning"]
+
+
+class OtherItem(BaseModel):
+    """Item types we do not serve (item_reference, hosted tool calls): refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")]
+    | Annotated[OtherItem, Tag("other")],
+    Discriminator(_item_tag),
+]
+
+
+class FunctionTool(FunctionSpec):
+    """Responses function tools are flat: {"type", "name", "description", "parameters"}."""
+
+    type: Literal["function"]
+    strict: StrictBool | None = None
+
+
+class OtherTool(BaseModel):
+    """Hosted tools (web_search, file_search, …): parsed so they can be refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr
+
+
+ToolItem = Annotated[
+    Annotated[FunctionTool, Tag("function")] | Annotated[OtherTool, Tag("other")],
+    Discriminator(_tool_tag),
+]
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    format: dict[str, Any] | None = None
+
+
+class ResponsesRequest(SamplingFields):
+    """The Responses body. Tandem's sampling extensions (seed, top_k, stop, …) and the
+    speculation overrides come from `SamplingFields`, as on the other surfaces."""
+
+    input: StrictStr | list[InputItem]
+    instructions: StrictStr | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list[ToolItem] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    text: TextConfig | None = None
+    previous_response_id: StrictStr | None = None
+    store: StrictBool = True
+    background: StrictBool | None = None
+    conversation: Any = None
+    metadata: dict[str, StrictStr] | None = None
+
+
+# --- request -> engine terms (pure) ------------------------------------------------
+
+
+def new_item_id(prefix: str) -> str:
+    """OpenAI-style ids: resp_…, msg_…, fc_…, rs_…"""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def refuse_unsupported(body: ResponsesRequest) -> None:
+    """Fields we understand but cannot honour are refused by name, never ignored."""
+    kind = (body.text.format or {}).get("type") if body.text else None
+    if kind not in (None, "text"):
+        raise bad_request(
+            f"text.format '{kind}' needs constrained decoding, which this server does not "
+            "have; ask for JSON in the prompt and validate it client-side",
+            "text.format",
+        )
+    if body.tool_choice not in (None, "auto", "none"):
+        raise bad_request(
+            "tool_choice can only be 'auto' or 'none': forcing a tool call needs constrained "
+            "decoding, which this server does not have",
+            "tool_choice",
+        )
+    for index, tool in enumerate(body.tools or []):
+        if isinstance(tool, OtherTool):
+            raise bad_request(
+                f"tools[{index}] is a '{tool.type}' tool; this server offers function tools "
+                "only (your code runs them)",
+                f"tools[{index}]",
+            )
+    if body.background:
+        raise bad_request("background responses are not supported", "background")
+    if body.conversation is not None:
+        raise bad_request(
+            "conversation objects are not supported; use previous_response_id", "conversation"
+        )
+
+
+def content_text(content: str | list, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if isinstance(part, OtherContent):
+            raise bad_request(
+                f"{param} has an '{part.type}' part; this model accepts text only", param
+            )
+        texts.append(part.text if isinstance(part, TextContent) else part.refusal)
+    return "".join(texts)
+
+
+def call_arguments(arguments: str, param: str) -> dict:
+    """Chat templates render tool-call arguments as objects, not JSON text."""
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"{param}.arguments must be a JSON object: {exc}", param) from exc
+    if not isinstance(value, dict):
+        raise bad_request(f"{param}.arguments must be a JSON object", param)
+    return value
+
+
+def item_message(item: Any, param: str) -> dict | None:
+    """One input item as a chat message; None for items that render as nothing."""
+    if isinstance(item, MessageItem):
+        return {"role": ROLES[item.role], "content": content_text(item.content, f"{param}.content")}
+    if isinstance(item, FunctionCallItem):
+        call = {"name": item.name, "arguments": call_arguments(item.arguments, param)}
+        return {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": item.call_id, "type": "function", "function": call}],
+        }
+    if isinstance(item, FunctionCallOutputItem):
+        output = content_text(item.output, f"{param}.output")
+        return {"role": "tool", "tool_call_id": item.call_id, "content": output}
+    if isinstance(item, OtherItem):
+        raise bad_request(
+            f"{param} is a '{item.type}' item, which this server does not serve", param
+        )
+    return None
+
+
+def append_message(messages: list[dict], message: dict) -> None:
+    """A function call joins the assistant turn it follows, as chat's tool_calls do."""
+    last = messages[-1] if messages else None
+    joins = message.get("tool_calls") and not message["content"]
+    if joins and last is not None and last["role"] == "assistant":
+        last["tool_calls"] = [*last.get("tool_calls", []), *message["tool_calls"]]
+    else:
+        messages.append(message)
+
+
+def normalize_input(value: str | list, param: str = "input") -> list[dict]:
+    """Responses input -> the plain message dicts chat templates expect."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    messages: list[dict] = []
+    for index, item in enumerate(value):
+        message = item_message(item, f"{param}[{index}]")
+        if message is not None:
+            append_message(messages, message)
+    return messages
+
+
+def chat_tools(body: ResponsesRequest) -> list | None:
+    """Flat Responses function tools -> the chat shape templates and parsers expect."""
+    if not body.tools or body.tool_choice == "none":
+        return None
+    return [
+        {"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type"})}
+        for tool in body.tools
+    ]
+
+
+def with_instructions(instructions: str | None, conversation: list[dict]) -> list[dict]:
+    """Instructions are this request's system prompt; they are not carried to follow-ups."""
+    if not instructions:
+        return conversation
+    return [{"role": "system", "content": instructions}, *conversation]
+
+
+def output_budget(requested: int | None, prompt_len: int, context: int | None, cap: int) -> int:
+    if requested is not None and requested > cap:
+        raise bad_request(
+            f"max_output_tokens is {requested}, above this server's limit of {cap}",
+            "max_output_tokens",
+        )
+    return effective_max_tokens(requested, prompt_len, context, cap)
+
+
+# --- the store of recent responses ----------------------------------------------------
+
+
+@dataclass
+class StoredResponse:
+    conversation: list[dict]  # every turn so far, the model's output included; no instructions
+    body: dict  # the response object, for GET
+
+
+class ResponseStore:
+    """Recent responses by id, for previous_response_id and GET: an LRU of `capacity`
+    entries, so memory stays bounded however many responses a server answers."""
+
+    def __init__(self, capacity: int = DEFAULT_STORE_SIZE) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)
+        return entry
+
+    def put(self, response_id: str, entry: StoredResponse) -> None:
+        self._entries[response_id] = entry
+        self._entries.move_to_end(response_id)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def delete(self, response_id: str) -> bool:
+        return self._entries.pop(response_id, None) is not None
+
+
+def store_of(request: Request) -> ResponseStore:
+    """The app's store, created on first use (tests may put a smaller one there first)."""
+    state = request.app.state
+    if getattr(state, "responses_store", None) is None:
+        state.responses_store = ResponseStore()
+    return state.responses_store
+
+
+def not_found(response_id: str, param: str | None = None) -> ApiError:
+    code = "previous_response_not_found" if param else "response_not_found"
+    return ApiError(
+        404, f"no response with id '{response_id}' is stored", "invalid_request_error", param, code
+    )
+
+
+def previous_conversation(store: ResponseStore, response_id: str | None) -> list[dict]:
+    if response_id is None:
+        return []
+    entry = store.get(response_id)
+    if entry is None:
+        raise not_found(response_id, "previous_response_id")
+    return list(entry.conversation)
+
+
+# --- output items and stream events ---------------------------------------------------
+
+EVENT_PREFIX = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
+
+
+def new_text_item(kind: str) -> dict:
+    if kind == "message":
+        return {
+            "type": "message",
+            "id": new_item_id("msg"),
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
+    return {
+        "type": "reasoning",
+        "id": new_item_id("rs"),
+        "status": "in_progress",
+        "summary": [],
+        "content": [],
+    }
+
+
+def empty_part(kind: str) -> dict:
+    if kind == "message":
+        return {"type": "output_text", "text": "", "annotations": []}
+    return {"type": "reasoning_text", "text": ""}
+
+
+class OutputAssembler:
+    """Builds output items from parsed deltas and returns the stream events that build
+    them (without sequence numbers). Text goes to the open reasoning or message item,
+    opening a new one when the kind changes; a function call arrives whole."""
+
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+        self._open: dict | None = None  # the reasoning or message item receiving text
+
+    def feed(self, delta: ParsedDelta) -> list[dict]:
+        events = []
+        if delta.reasoning:
+            events += self._add_text("reasoning", delta.reasoning)
+        if delta.content:
+            events += self._add_text("message", delta.content)
+        for call in delta.tool_calls:
+            events += self._close("completed") + self._add_call(call)
+        return events
+
+    def finish(self, status: str) -> list[dict]:
+        """Close the open item: 'incomplete' when generation hit max_output_tokens."""
+        return self._close(status)
+
+    def _where(self, item: dict) -> dict:
+        return {"item_id": item["id"], "output_index": self.items.index(item)}
+
+    def _add_text(self, kind: str, text: str) -> list[dict]:
+        events = []
+        if self._open is None or self._open["type"] != kind:
+            events += self._close("completed") + self._open_item(kind)
+        item = self._open
+        item["content"][0]["text"] += text
+        delta = {"type": f"{EVENT_PREFIX[kind]}.delta", **self._where(item), "content_index": 0}
+        delta["delta"] = text
+        if kind == "message":
+            delta["logprobs"] = []
+        return [*events, delta]
+
+    def _open_item(self, kind: str) -> list[dict]:
+        item = new_text_item(kind)
+        self.items.append(item)
+        self._open = item
+        added = self._item_event("response.output_item.added", item)
+        part = empty_part(kind)
+        item["content"].append(part)
+        where = {**self._where(item), "content_index": 0}
+        return [added, {"type": "response.content_part.added", **where, "part": dict(part)}]
+
+    def _close(self, status: str) -> list[dict]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        item["status"] = status
+        part = item["content"][0]
+        where = {**self._where(item), "content_index": 0}
+        done = {"type": f"{EVENT_PREFIX[item['type']]}.done", **where, "text": part["text"]}
+        if item["type"] == "message":
+            done["logprobs"] = []
+        part_done = {"type": "response.content_part.done", **where, "part": copy.deepcopy(part)}
+        return [done, part_done, self._item_event("response.output_item.done", item)]
+
+    def _add_call(self, call: ToolCall) -> list[dict]:
+        item = {
+            "type": "function_call",
+            "id": new_item_id("fc"),
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": "",
+            "status": "in_progress",
+        }
+        self.items.append(item)
+        added = self._item_event("response.output_item.added", item)
+        where = self._where(item)
+        item.update(arguments=call.arguments, status="completed")
+        return [
+            added,
+            {"type": "response.function_call_arguments.delta", **where, "delta": call.arguments},
+            {
+                "type": "response.function_call_arguments.done",
+                **where,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
+            self._item_event("response.output_item.done", item),
+        ]
+
+    def _item_event(self, kind: str, item: dict) -> dict:
+        return {"type": kind, "output_index": self.items.index(item), "item": copy.deepcopy(item)}
+
+
+def assistant_turn(items: list[dict]) -> dict:
+    """The model's output as the assistant message a follow-up renders (reasoning of
+    past turns is dropped, as chat templates do)."""
+    text = "".join(
+        part["text"] for item in items if item["type"] == "message" for part in item["content"]
+    )
+    calls = [
+        {
+            "id": item["call_id"],
+            "type": "function",
+            "function": {
+                "name": item["name"],
+                "arguments": ToolCall(item["name"], item["arguments"]).arguments_object(),
+            },
+        }
+        for item in items
+        if item["type"] == "function_call"
+    ]
+    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+
+
+def final_status(event: TokenEvent) -> str:
+    return "incomplete" if event.finish_reason == FinishReason.LENGTH else "completed"
+
+
+def response_usage(event: TokenEvent) -> dict:
+    return {
+        "input_tokens": event.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": event.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": event.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": event.prompt_tokens + event.completion_tokens,
+    }
+
+
+# --- one request ------------------------------------------------------------------------
+
+
+@dataclass
+class ResponsesJob:
+    """A parsed Responses request and what formatting its output needs."""
+
+    gen: GenerationRequest
+    model: str
+    body: ResponsesRequest
+    conversation: list[dict]  # history and this input, without instructions
+    tools: list | None  # chat-shaped, for the output parser
+    starts_in_reasoning: bool
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+
+def response_object(
+    job: ResponsesJob, status: str, items: list[dict], last: TokenEvent | None
+) -> dict:
+    """The Response resource; `last` is the final event once generation ended."""
+    body, sampling = job.body, job.gen.sampling
+    return {
+        "id": job.gen.request_id,
+        "object": "response",
+        "created_at": job.created_at,
+        "completed_at": int(time.time()) if last is not None else None,
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "model": job.model,
+        "output": copy.deepcopy(items),
+        "parallel_tool_calls": True,
+        "previous_response_id": body.previous_response_id,
+        "store": body.store,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": body.tool_choice or "auto",
+        "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
+        "truncation": "disabled",
+        "metadata": body.metadata or {},
+        "user": body.user,
+        "usage": response_usage(last) if last is not None else None,
+        "speculation": last.speculation if last is not None else None,
+    }
+
+
+def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob:
+    refuse_unsupported(body)
+    config, info = config_of(request), scheduler_of(request).model_info
+    conversation = previous_conversation(store_of(request), body.previous_response_id)
+    conversation += normalize_input(body.input)
+    if not conversation:
+        raise bad_request("input has no message to answer", "input")
+    tools = chat_tools(body)
+    markers = output_markers(request)
+    rendered = render_chat(
+        info.tokenizer,
+        with_instructions(body.instructions, conversation),
+        tools,
+        markers.think[0] if markers.think else None,
+        "input",
+    )
+    max_tokens = output_budget(
+        body.max_output_tokens, len(rendered.ids), info.context_length, config.max_tokens
+    )
+    gen = build_request(
+        new_item_id("resp"), body, rendered.ids, max_tokens, len(info.tokenizer), "responses"
+    )
+    return ResponsesJob(gen, model, body, conversation, tools, rendered.starts_in_reasoning)
+
+
+def parsed_output(parser: OutputParser, event: TokenEvent) -> ParsedDelta:
+    """An event's text split by kind; the final event also releases held-back text."""
+    parsed = parser.feed(event.text)
+    if not event.final:
+        return parsed
+    tail = parser.finish()
+    return ParsedDelta(
+        parsed.content + tail.content,
+        parsed.reasoning + tail.reasoning,
+        parsed.tool_calls + tail.tool_calls,
+    )
+
+
+def remember(store: ResponseStore, job: ResponsesJob, items: list[dict], result: dict) -> None:
+    if job.body.store:
+        conversation = [*job.conversation, assistant_turn(items)]
+        store.put(job.gen.request_id, StoredResponse(conversation, result))
+
+
+def sse_event(payload: dict) -> str:
+    """Responses streams name each event: `event: <type>` then its JSON."""
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {payload['type']}\ndata: {data}\n\n"
+
+
+def framed(payloads: Iterable[dict], numbers: Iterator[int]) -> list[str]:
+    """SSE frames for events, numbered in the order they are sent."""
+    return [sse_event({**payload, "sequence_number": next(numbers)}) for payload in payloads]
+
+
+async def create_response(request: Request) -> Response:
+    body = await parse_body(request, ResponsesRequest)
+    model = check_model(config_of(request), body.model)
+    job = to_job(request, body, model)
+    stream = scheduler_of(request).submit(job.gen)
+    parser = OutputParser(output_markers(request), job.tools, job.starts_in_reasoning)
+    store = store_of(request)
+    if body.stream:
+        events = response_events(job, parser, events_until_done(request, stream), store)
+        return StreamingResponse(events, media_type="text/event-stream")
+    collected = await collect_unless_disconnected(request, stream)
+    if collected is None:
+        return Response(status_code=499)
+    last, status = collected[-1], final_status(collected[-1])
+    items = output_items(parser, collected, status)
+    result = response_object(job, status, items, last)
+    remember(store, job, items, result)
+    return JSONResponse(result)
+
+
+def output_items(parser: OutputParser, events: list[TokenEvent], status: str) -> list[dict]:
+    """A finished generation's output items, built as the stream would build them."""
+    assembler = OutputAssembler()
+    for event in events:
+        assembler.feed(parsed_output(parser, event))
+    assembler.finish(status)
+    return assembler.items
+
+
+async def response_events(
+    job: ResponsesJob,
+    parser: OutputParser,
+    events: AsyncIterator[TokenEvent],
+    store: ResponseStore,
+) -> AsyncIterator[str]:
+    """The SSE stream: created, in_progress, the items' events, then completed or
+    incomplete (stored before it is sent, so a follow-up can name it at once); a
+    failure mid-stream ends with an `error` event."""
+    numbers = count()
+    start = response_object(job, "in_progress", [], None)
+    opening = [
+        {"type": "response.created", "response": start},
+        {"type": "response.in_progress", "response": start},
+    ]
+    for line in framed(opening, numbers):
+        yield line
+    assembler = OutputAssembler()
+    try:
+        async for event in events:
+            payloads = assembler.feed(parsed_output(parser, event))
+            if event.final:
+                status = final_status(event)
+                payloads += assembler.finish(status)
+                result = response_object(job, status, assembler.items, event)
+                remember(store, job, assembler.items, result)
+                payloads.append({"type": f"response.{status}", "response": result})
+            for line in framed(payloads, numbers):
+                yield line
+    except (RequestFailed, RequestAborted) as exc:
+        error = from_tandem_error(exc)
+        failure = {"type": "error", "code": error.code or error.type, "message": error.message}
+        for line in framed([{**failure, "param": error.param}], numbers):
+            yield line
+
+
+async def retrieve_response(request: Request) -> JSONResponse:
+    response_id = request.path_params["response_id"]
+    entry = store_of(request).get(response_id)
+    if entry is None:
+        raise not_found(response_id)
+    return JSONResponse(entry.body)
+
+
+async def delete_response(request: Request) -> JSONResponse:
+    response_id = request.path_params["response_id"]
+    if not store_of(request).delete(response_id):
+        raise not_found(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
@@ -188,3 +188,62 @@ class MethodGate:
     def due(self) -> bool:
         """True if this method may draft at the next step."""
         return self.open or self.cooldown <= 0
+
+
+@dataclass
+class OnlineCosts:
+    """Step costs learned while serving, starting from the startup measurement.
+
+    A startup benchmark on a busy or thermally throttled machine can be off by tens of
+    percent, and a gate that believes verifies are cheap drafts at a loss. So the
+    engine times its own steps -- pipelined plain steps, verifies by size, draft-model
+    proposals per token -- and the gates read ratios of those running averages."""
+
+    base: CostModel
+    learn: bool = True
+    weight: float = 0.1
+    min_samples: int = 4
+    plain_s: float | None = None
+    verify_s: dict[int, float] = field(default_factory=dict)
+    draft_token_s: float | None = None
+    samples: dict[str, int] = field(default_factory=dict)
+    _model: CostModel | None = None
+
+    def _average(self, old: float | None, value: float, key: str) -> float:
+        self.samples[key] = self.samples.get(key, 0) + 1
+        self._model = None
+        return value if old is None else old + self.weight * (value - old)
+
+    def observe_plain(self, seconds: float) -> None:
+        if self.learn:
+            self.plain_s = self._average(self.plain_s, seconds, "plain")
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        if self.learn:
+            self.verify_s[tokens] = self._average(self.verify_s.get(tokens), seconds, f"v{tokens}")
+
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        if self.learn and tokens:
+            self.draft_token_s = self._average(self.draft_token_s, seconds / tokens, "draft")
+
+    def model(self) -> CostModel:
+        """The current cost model: learned ratios where there are enough samples."""
+        if self._model is None:
+            self._model = self._combine()
+        return self._model
+
+    def _combine(self) -> CostModel:
+        base = self.base
+        if self.plain_s is None or self.samples.get("plain", 0) < self.min_samples:
+            return base
+        ratios = []
+        for n in range(1, base.max_tokens + 1):
+            learned = self.verify_s.get(n)
+            if learned is not None and self.samples.get(f"v{n}", 0) >= self.min_samples:
+                ratios.append(max(1.0, learned / self.plain_s))
+            else:
+                ratios.append(base.verify_cost(n))
+        draft = base.draft_step
+        if self.draft_token_s is not None and self.samples.get("draft", 0) >= self.min_samples:
+            draft = self.draft_token_s / self.plain_s
+        return CostModel(tuple(itertools.accumulate(ratios, max)), draft)

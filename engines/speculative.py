@@ -16,6 +16,7 @@ sampled but not yet committed. `export` settles that and hands the state over.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -23,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs
 from engines.drafters import DRAFT, PLD, Draft, DraftModelDrafter, PromptLookupDrafter
-from engines.gates import CostModel, MethodGate, prompt_repetition_score, speedup
+from engines.gates import CostModel, MethodGate, OnlineCosts, prompt_repetition_score, speedup
 from engines.logprobs import token_logprob
 from engines.registry import ModelRegistry
 from engines.sampling import filter_logprobs, sample_token
@@ -86,7 +87,9 @@ class SpeculativeEngine:
         self.config = config
         self.k_cap = max(config.num_draft_tokens, config.max_draft_tokens)
         draft_model = registry.draft.model if registry.draft else None
-        self.cost = cost or CostModel.measure(registry.target.model, draft_model, self.k_cap + 1)
+        measured = cost or CostModel.measure(registry.target.model, draft_model, self.k_cap + 1)
+        # A cost model given explicitly (tests) stays fixed, so gating is repeatable.
+        self.costs = OnlineCosts(measured, learn=cost is None)
         self.vocab_size = registry.target.vocab_size
         self.pld = PromptLookupDrafter(max_ngram=config.pld_max_ngram)
         self.drafter = (
@@ -104,12 +107,17 @@ class SpeculativeEngine:
 
     def describe(self) -> str:
         methods = (["pld"] if self.config.enable_pld else []) + (["draft"] if self.drafter else [])
-        costs = ", ".join(f"{c:.2f}" for c in self.cost.verify[: self.config.num_draft_tokens + 1])
+        cost = self.cost
+        costs = ", ".join(f"{c:.2f}" for c in cost.verify[: self.config.num_draft_tokens + 1])
         return (
             f"methods={'+'.join(methods) or 'none'} k={self.config.num_draft_tokens} "
             f"verify cost vs plain step for 1..k+1 tokens=[{costs}]"
-            + (f" draft step={self.cost.draft_step:.2f}" if self.drafter else "")
+            + (f" draft step={cost.draft_step:.2f}" if self.drafter else "")
         )
+
+    @property
+    def cost(self) -> CostModel:
+        return self.costs.model()
 
     # ---- admission and hand-over ------------------------------------------------
 
@@ -183,15 +191,26 @@ class SpeculativeEngine:
         if len(active.tokens) - active.cached > 1:
             self._prefill_chunk(active)
             return []
+        started = time.perf_counter()
         if active.in_flight is None:
             draft = self._propose(active)
             if draft is not None:
-                return self._verify(active, draft)
+                proposed = time.perf_counter()
+                if draft.method == DRAFT:
+                    self.costs.observe_draft(len(draft.tokens), proposed - started)
+                outputs = self._verify(active, draft)
+                self.costs.observe_verify(len(draft.tokens) + 1, time.perf_counter() - proposed)
+                return outputs
             active.in_flight, active.in_flight_logprobs = self._forward_and_sample(
                 active, mx.array(active.tokens[-1:])
             )
             active.cached += 1
-        return self._commit_in_flight(pipeline=True)
+            return self._commit_in_flight(pipeline=True)
+        outputs = self._commit_in_flight(pipeline=True)
+        # A step that starts with a token in flight is a steady pipelined plain step:
+        # the cost that drafting has to beat.
+        self.costs.observe_plain(time.perf_counter() - started)
+        return outputs
 
     def _prefill_chunk(self, active: _Active) -> None:
         pending = active.tokens[active.cached : -1]

@@ -22,10 +22,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engines.errors import RequestAborted, RequestFailed, ServerNotReady
+from engines.errors import RequestAborted, RequestFailed
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from engines.sequence import FinishReason
-from scheduler import ModelInfo, TokenEvent
+from scheduler import TokenEvent
 from server.anthropic_schemas import (
     CountTokensRequest,
     InputMessage,
@@ -45,6 +45,7 @@ from server.http import (
     collect_unless_disconnected,
     config_of,
     events_until_done,
+    model_info_of,
     output_markers,
     parse_body,
     scheduler_of,
@@ -422,16 +423,8 @@ def sse_event(payload: dict) -> str:
 # --- Handlers -----------------------------------------------------------------------
 
 
-def loaded_model(request: Request) -> ModelInfo:
-    """The model's facts; rendering needs its tokenizer, which exists once it loaded."""
-    info = scheduler_of(request).model_info
-    if info is None:
-        raise ServerNotReady("the model is still loading")
-    return info
-
-
 def to_job(request: Request, body: MessagesRequest, model: str) -> MessageJob:
-    info = loaded_model(request)
+    info = model_info_of(request)
     refuse_unsupported(body)
     tools = template_tools(body)
     rendered = render_prompt(info.tokenizer, body, tools, output_markers(request).think)
@@ -482,7 +475,7 @@ async def count_message_tokens(request: Request) -> JSONResponse:
     """The prompt's token count, rendered exactly as /v1/messages would render it."""
     body = await parse_body(request, CountTokensRequest)
     check_model(config_of(request), body.model)
-    info = loaded_model(request)
+    info = model_info_of(request)
     tools = template_tools(body)
     rendered = render_prompt(info.tokenizer, body, tools, output_markers(request).think)
     return JSONResponse({"input_tokens": len(rendered.ids)})

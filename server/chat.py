@@ -25,6 +25,7 @@ from server.http import (
     collect_unless_disconnected,
     config_of,
     events_until_done,
+    model_info_of,
     output_markers,
     parse_body,
     scheduler_of,
@@ -102,7 +103,7 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict]:
 
 def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob:
     config = config_of(request)
-    info = scheduler_of(request).model_info
+    info = model_info_of(request)
     refuse_unsupported(body)
     tools = (
         [t.model_dump(exclude_none=True) for t in body.tools]

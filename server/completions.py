@@ -20,6 +20,7 @@ from server.http import (
     collect_unless_disconnected,
     config_of,
     events_until_done,
+    model_info_of,
     parse_body,
     scheduler_of,
 )
@@ -58,8 +59,8 @@ def prompt_ids_for(tokenizer: Any, body: CompletionRequest) -> list[int]:
 
 def to_job(request: Request, body: CompletionRequest, model: str) -> CompletionJob:
     config = config_of(request)
-    tokenizer = scheduler_of(request).model_info.tokenizer
-    context = scheduler_of(request).model_info.context_length
+    tokenizer = model_info_of(request).tokenizer
+    context = model_info_of(request).context_length
     refuse_unsupported(body)
     prompt_ids = prompt_ids_for(tokenizer, body)
     max_tokens = effective_max_tokens(body.max_tokens, len(prompt_ids), context, config.max_tokens)

@@ -11,7 +11,7 @@ import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from engines.errors import TandemError
+from engines.errors import ServerNotReady, TandemError
 from scheduler import RequestStream, Scheduler, TokenEvent
 from server.config import ServerConfig
 from server.errors import ApiError, bad_request
@@ -23,8 +23,12 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
     raw = await request.body()
     try:
         data = json.loads(raw)
+        # JSON may escape lone UTF-16 surrogates ("\ud800") that are no text at all.
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from exc
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"request body has invalid Unicode (a lone surrogate): {exc}") from exc
     except RecursionError as exc:
         raise bad_request("request body is nested too deeply") from exc
     if not isinstance(data, dict):
@@ -54,6 +58,14 @@ def check_model(config: ServerConfig, requested: str | None) -> str:
 
 def scheduler_of(request: Request) -> Scheduler:
     return request.app.state.scheduler
+
+
+def model_info_of(request: Request):
+    """The loaded model's facts; 503 while it is still loading (or failed to load)."""
+    info = scheduler_of(request).model_info
+    if info is None:
+        raise ServerNotReady("the model is still loading")
+    return info
 
 
 def config_of(request: Request) -> ServerConfig:
@@ -111,7 +123,7 @@ def output_markers(request: Request):
     if getattr(state, "output_markers", None) is None:
         config = config_of(request)
         state.output_markers = OutputMarkers.for_tokenizer(
-            scheduler_of(request).model_info.tokenizer,
+            model_info_of(request).tokenizer,
             config.tool_call_parser,
             config.reasoning_parser,
         )

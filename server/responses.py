@@ -37,6 +37,7 @@ from server.http import (
     collect_unless_disconnected,
     config_of,
     events_until_done,
+    model_info_of,
     output_markers,
     parse_body,
     scheduler_of,
@@ -420,7 +421,7 @@ def response_object(
 
 def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob:
     refuse_unsupported(body)
-    config, info = config_of(request), scheduler_of(request).model_info
+    config, info = config_of(request), model_info_of(request)
     conversation = previous_conversation(store_of(request), body.previous_response_id)
     conversation += normalize_input(body.input)
     if not conversation:

@@ -100,3 +100,18 @@ async def test_chat_on_model_without_template_is_clear_400(no_template_model_dir
             assert ok.status_code == 200
     finally:
         scheduler.stop()
+
+
+@pytest.mark.parametrize(
+    "path", [CHAT, COMPLETIONS, "/v1/messages", "/v1/responses", "/v1/messages/count_tokens"]
+)
+async def test_every_surface_is_503_while_the_model_loads(tiny_model_dir, path):
+    from scheduler import Scheduler, SchedulerConfig
+
+    loading = Scheduler(SchedulerConfig(model=str(tiny_model_dir)))  # never started
+    body = {"model": MODEL_NAME, "prompt": "hi", "input": "hi", "messages": USER, "max_tokens": 4}
+    async with make_client(loading) as client:
+        response = await client.post(path, json=body)
+        assert (await client.get("/health")).status_code == 503
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"]

@@ -173,6 +173,7 @@ HOSTILE = [
     ("empty body", b"", 400),
     ("null", b"null", 400),
     ("nan", b'{"prompt": "hi", "temperature": NaN}', 400),
+    ("lone surrogate", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400),
 ]
 
 

@@ -13,6 +13,7 @@ def main(argv: list[str]) -> None:
     commands = {
         "spec": "bench.spec",
         "hybrid": "bench.hybrid",
+        "soak": "bench.soak",
         "single": "bench.single_stream",
         "serve": "bench.serve",
         "plot": "bench.plot",

@@ -21,9 +21,14 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)  # most likely first
 
 
+# What OpenAI reports for a token with no probability at all; JSON has no -Infinity.
+FLOOR = -9999.0
+
+
 def token_logprob(row: mx.array, token: int, top: int) -> TokenLogprob:
     """`row`: normalised log-probabilities over the vocabulary, shape (V,)."""
-    row = row.astype(mx.float32)
+    row = mx.nan_to_num(row.astype(mx.float32), nan=FLOOR, neginf=FLOOR, posinf=0.0)
+    row = mx.maximum(row, FLOOR)
     if top > 0:
         top_ids = mx.argpartition(-row, kth=top - 1)[:top]
         top_values = row[top_ids]

@@ -22,7 +22,9 @@ from pydantic import (
     Tag,
 )
 
-Temperature = Annotated[float, Field(ge=0.0, le=2.0)]  # Anthropic says 0..1; OpenAI's 2 is fine
+Temperature = Annotated[
+    float, Field(strict=True, ge=0.0, le=2.0)
+]  # Anthropic says 0..1; OpenAI's 2 is fine
 DraftTokens = Annotated[StrictInt, Field(ge=0, le=64)]
 
 
@@ -94,7 +96,7 @@ def _block_tag(value: Any) -> str:
     kind = _type_of(value)
     if kind == "redacted_thinking":
         return "thinking"
-    return kind if kind in _BLOCK_TAGS else "other"
+    return kind if isinstance(kind, str) and kind in _BLOCK_TAGS else "other"
 
 
 ContentBlock = Annotated[
@@ -169,7 +171,7 @@ class MessagesRequest(MessagesPrompt, SpeculationFields):
     max_tokens: Annotated[StrictInt, Field(ge=1)]
     stop_sequences: list[StrictStr] | None = None
     temperature: Temperature | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Field(strict=True, gt=0.0, le=1.0)] | None = None
     top_k: Annotated[StrictInt, Field(ge=0)] | None = None
     stream: StrictBool = False
     metadata: Metadata | None = None

@@ -93,7 +93,10 @@ async def on_tandem_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return error_response(request, ApiError(exc.status_code, str(exc.detail), kind))
+    headers = dict(exc.headers or {})  # e.g. Allow on 405
+    return error_response(
+        request, ApiError(exc.status_code, str(exc.detail), kind, headers=headers)
+    )
 
 
 async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:

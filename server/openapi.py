@@ -8,19 +8,24 @@ response models, the models of its stream events' `data`, and its own error mode
              request=MessagesRequest, response=Message, stream=(MessageStreamEvent,),
              errors=GENERATION_ERRORS, error_model=AnthropicError)
 
+Path parameters (`/v1/responses/{response_id}`) are documented from the path itself.
+
 Response models only document (and let a fuzzer check) what the server sends; they
 allow extra properties so adding a field never breaks a client that validates.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from server.config import ServerConfig
+from server.responses_schemas import ResponsesRequest
 from server.schemas import ChatCompletionRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
@@ -141,6 +146,60 @@ class Stats(Open):
     requests: dict[str, Any]
 
 
+class AnthropicErrorDetail(Open):
+    type: str
+    message: str
+
+
+class AnthropicError(Open):
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class AnthropicUsage(Open):
+    input_tokens: int
+    output_tokens: int
+
+
+class Message(Open):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class MessageStreamEvent(Open):
+    type: str
+
+
+class TokenCount(Open):
+    input_tokens: int
+
+
+class ResponseObject(Open):
+    id: str
+    object: Literal["response"]
+    created_at: float
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+
+
+class ResponseStreamEvent(Open):
+    type: str
+    sequence_number: int
+
+
+class Deleted(Open):
+    id: str
+    object: str
+    deleted: bool
+
+
 class OpenApiDocument(Open):
     openapi: str
     info: dict[str, Any]
@@ -203,6 +262,53 @@ ENDPOINTS = (
         response=ChatCompletion,
         stream=(ChatCompletionChunk,),
         errors=GENERATION_ERRORS,
+    ),
+    Endpoint(
+        "POST",
+        "/v1/responses",
+        "OpenAI Responses",
+        "openai",
+        request=ResponsesRequest,
+        response=ResponseObject,
+        stream=(ResponseStreamEvent,),
+        errors=GENERATION_ERRORS,
+    ),
+    Endpoint(
+        "GET",
+        "/v1/responses/{response_id}",
+        "A stored response",
+        "openai",
+        response=ResponseObject,
+        errors=(401, 404, 429),
+    ),
+    Endpoint(
+        "DELETE",
+        "/v1/responses/{response_id}",
+        "Forget a stored response",
+        "openai",
+        response=Deleted,
+        errors=(401, 404, 429),
+    ),
+    Endpoint(
+        "POST",
+        "/v1/messages",
+        "Anthropic messages",
+        "anthropic",
+        request=MessagesRequest,
+        response=Message,
+        stream=(MessageStreamEvent,),
+        errors=GENERATION_ERRORS,
+        error_model=AnthropicError,
+    ),
+    Endpoint(
+        "POST",
+        "/v1/messages/count_tokens",
+        "Anthropic token count",
+        "anthropic",
+        request=CountTokensRequest,
+        response=TokenCount,
+        errors=GENERATION_ERRORS,
+        error_model=AnthropicError,
     ),
     Endpoint("GET", "/v1/models", "The served model", "openai", response=ModelList),
     # While loading (or after a load failure) /health answers 503 with its own body.
@@ -284,6 +390,9 @@ def build_operation(endpoint: Endpoint, config: ServerConfig, components: dict) 
         "tags": [endpoint.tag],
         "responses": {"200": success_response(endpoint, components)},
     }
+    parameters = path_parameters(endpoint.path)
+    if parameters:
+        operation["parameters"] = parameters
     if endpoint.request is not None:
         operation["requestBody"] = {
             "required": True,
@@ -347,8 +456,16 @@ def ref(model: type[BaseModel], components: dict[str, Any]) -> dict[str, str]:
     return {"$ref": REF.format(model=model.__name__)}
 
 
+def path_parameters(path: str) -> list[dict[str, Any]]:
+    """`/v1/responses/{response_id}` -> a required string parameter `response_id`."""
+    return [
+        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        for name in re.findall(r"{(\w+)}", path)
+    ]
+
+
 def operation_id(endpoint: Endpoint) -> str:
-    words = endpoint.path.strip("/").replace(".", "_").replace("/", "_")
+    words = re.sub(r"[^A-Za-z0-9]+", "_", endpoint.path).strip("_")
     return f"{endpoint.method.lower()}_{words}"
 
 

@@ -142,7 +142,7 @@ class ResponsesRequest(SamplingFields):
 
     input: StrictStr | list[InputItem]
     instructions: StrictStr | None = None
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_output_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
     tools: list[ToolItem] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     text: TextConfig | None = None

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(strict=True, ge=0)]
 
 
 class StreamOptions(BaseModel):
@@ -25,34 +25,34 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    temperature: Annotated[float, Field(strict=True, ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(strict=True, gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(strict=True, ge=-1)] | None = None
+    min_p: Annotated[float, Field(strict=True, ge=0.0, le=1.0)] | None = None
     seed: StrictInt | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    presence_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(strict=True, ge=0.01, le=10.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(strict=True, ge=-100.0, le=100.0)]] | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(strict=True, ge=1)] = 1
     user: str | None = None
     ignore_eos: StrictBool = False  # vLLM extension: generate to max_tokens
     # Speculation overrides (honoured once the speculative engine lands).
     enable_pld: StrictBool | None = None
     enable_draft: StrictBool | None = None
-    num_draft_tokens: Annotated[int, Field(ge=0, le=64)] | None = None
+    num_draft_tokens: Annotated[int, Field(strict=True, ge=0, le=64)] | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(strict=True, ge=1)] | None = 16
     echo: StrictBool = False
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
     suffix: str | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    best_of: Annotated[int, Field(strict=True, ge=1)] | None = None
 
 
 class TextPart(BaseModel):
@@ -92,10 +92,10 @@ class ToolSpec(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
     tools: list[ToolSpec] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     logprobs: StrictBool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None

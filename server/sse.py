@@ -9,4 +9,5 @@ DONE = "data: [DONE]\n\n"
 
 
 def sse_data(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return f"data: {text}\n\n"

@@ -11,7 +11,9 @@ import pytest
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
 from tests.forcing import forcing_factory
 
-TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+TOOL_CALL = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+)
 TWO_CALLS = (
     'Checking both.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
     '</tool_call><tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
@@ -19,13 +21,24 @@ TWO_CALLS = (
 THINKING = "<think>The user wants a greeting.</think>Hello there!"
 SCRIPTS = {"tool": TOOL_CALL, "two": TWO_CALLS, "think": THINKING, "plain": "Just text."}
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                        "days": {"type": "integer"}}}}},
-    {"type": "function", "function": {
-        "name": "get_time", "parameters": {"type": "object",
-                                           "properties": {"zone": {"type": "string"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
+        },
+    },
 ]
 
 
@@ -39,8 +52,9 @@ def forced(tiny_model_dir, reference):
 
 
 def sdk(http_client) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url="http://tandem.test/v1", api_key="x",
-                              http_client=http_client)
+    return openai.AsyncOpenAI(
+        base_url="http://tandem.test/v1", api_key="x", http_client=http_client
+    )
 
 
 def ask(name: str) -> list[dict]:
@@ -69,7 +83,11 @@ async def test_streamed_tool_call_deltas_assemble_to_the_same_calls(forced):
             model=MODEL_NAME, messages=ask("two"), tools=TOOLS, max_tokens=120, temperature=0
         )
         stream = await client.chat.completions.create(
-            model=MODEL_NAME, messages=ask("two"), tools=TOOLS, max_tokens=120, temperature=0,
+            model=MODEL_NAME,
+            messages=ask("two"),
+            tools=TOOLS,
+            max_tokens=120,
+            temperature=0,
             stream=True,
         )
         content, calls, finish = "", {}, None
@@ -84,10 +102,13 @@ async def test_streamed_tool_call_deltas_assemble_to_the_same_calls(forced):
     assert finish == "tool_calls"
     assert content == whole.choices[0].message.content == "Checking both."
     assembled = [(calls[i]["name"], json.loads(calls[i]["args"])) for i in sorted(calls)]
-    expected = [(c.function.name, json.loads(c.function.arguments))
-                for c in whole.choices[0].message.tool_calls]
-    assert assembled == expected == [("get_weather", {"city": "Oslo"}),
-                                     ("get_time", {"zone": "CET"})]
+    expected = [
+        (c.function.name, json.loads(c.function.arguments))
+        for c in whole.choices[0].message.tool_calls
+    ]
+    assert (
+        assembled == expected == [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "CET"})]
+    )
 
 
 async def test_tool_markup_without_tools_stays_content(forced):
@@ -118,12 +139,28 @@ async def test_tool_result_round_trip_renders_through_the_template(forced, refer
         )
     assert second.choices[0].message.content == "Just text."
     rendered = reference.tokenizer.apply_chat_template(
-        [ask("tool")[0],
-         {"role": "assistant", "content": "", "tool_calls": [{"id": call.id, "type": "function",
-          "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]},
-         {"role": "tool", "content": "Sunny, 21 C", "tool_call_id": call.id},
-         {"role": "user", "content": "Thanks. FORCE:plain"}],
-        tools=TOOLS, add_generation_prompt=True, tokenize=False,
+        [
+            ask("tool")[0],
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {
+                            "name": "get_weather",
+                            "arguments": {"city": "Paris", "days": 2},
+                        },
+                    }
+                ],
+            },
+            {"role": "tool", "content": "Sunny, 21 C", "tool_call_id": call.id},
+            {"role": "user", "content": "Thanks. FORCE:plain"},
+        ],
+        tools=TOOLS,
+        add_generation_prompt=True,
+        tokenize=False,
     )
     assert "<tool_response>\nSunny, 21 C\n</tool_response>" in rendered
     ids = reference.tokenizer.encode(rendered, add_special_tokens=False)

@@ -207,9 +207,11 @@ class SpeculativeEngine:
             active.cached += 1
             return self._commit_in_flight(pipeline=True)
         outputs = self._commit_in_flight(pipeline=True)
-        # A step that starts with a token in flight is a steady pipelined plain step:
-        # the cost that drafting has to beat.
-        self.costs.observe_plain(time.perf_counter() - started)
+        if self.active is not None and self.active.in_flight is not None:
+            # Started with a token in flight and queued the next one: a steady pipelined
+            # plain step, the cost drafting has to beat. (The last plain step before a
+            # draft only reads a token computed long ago; it would look nearly free.)
+            self.costs.observe_plain(time.perf_counter() - started)
         return outputs
 
     def _prefill_chunk(self, active: _Active) -> None:

@@ -106,6 +106,7 @@ class DraftModelDrafter:
         self.prefill_step_size = prefill_step_size
         self.cache: list | None = None
         self.fed: list[int] = []
+        self.caught_up = 0  # tokens the last proposal had to feed before drafting
 
     def reset(self) -> None:
         self.cache = None
@@ -148,6 +149,7 @@ class DraftModelDrafter:
             trim_prompt_cache(self.cache, len(self.fed) - shared)
             self.fed = self.fed[:shared]
         pending = context[shared:]
+        self.caught_up = len(pending)
         while len(pending) > self.prefill_step_size:
             self._forward(pending[: self.prefill_step_size])
             pending = pending[self.prefill_step_size :]

@@ -209,8 +209,13 @@ class OnlineCosts:
     samples: dict[str, int] = field(default_factory=dict)
     _model: CostModel | None = None
 
-    def _average(self, old: float | None, value: float, key: str) -> float:
-        self.samples[key] = self.samples.get(key, 0) + 1
+    def _average(self, old: float | None, value: float, key: str) -> float | None:
+        """Running average; the first sample of each kind is dropped (warm-up: graph
+        building, allocations), so it cannot skew the average for many steps."""
+        seen = self.samples.get(key, 0)
+        self.samples[key] = seen + 1
+        if seen == 0:
+            return old
         self._model = None
         return value if old is None else old + self.weight * (value - old)
 
@@ -234,16 +239,16 @@ class OnlineCosts:
 
     def _combine(self) -> CostModel:
         base = self.base
-        if self.plain_s is None or self.samples.get("plain", 0) < self.min_samples:
+        if self.plain_s is None or self.samples.get("plain", 0) <= self.min_samples:
             return base
         ratios = []
         for n in range(1, base.max_tokens + 1):
             learned = self.verify_s.get(n)
-            if learned is not None and self.samples.get(f"v{n}", 0) >= self.min_samples:
+            if learned is not None and self.samples.get(f"v{n}", 0) > self.min_samples:
                 ratios.append(max(1.0, learned / self.plain_s))
             else:
                 ratios.append(base.verify_cost(n))
         draft = base.draft_step
-        if self.draft_token_s is not None and self.samples.get("draft", 0) >= self.min_samples:
+        if self.draft_token_s is not None and self.samples.get("draft", 0) > self.min_samples:
             draft = self.draft_token_s / self.plain_s
         return CostModel(tuple(itertools.accumulate(ratios, max)), draft)

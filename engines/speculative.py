@@ -196,7 +196,9 @@ class SpeculativeEngine:
             draft = self._propose(active)
             if draft is not None:
                 proposed = time.perf_counter()
-                if draft.method == DRAFT:
+                if draft.method == DRAFT and self.drafter.caught_up <= 2:
+                    # Only steady proposals: a catch-up prefill (new request, return
+                    # from batching) is not what each drafted token costs.
                     self.costs.observe_draft(len(draft.tokens), proposed - started)
                 outputs = self._verify(active, draft)
                 self.costs.observe_verify(len(draft.tokens) + 1, time.perf_counter() - proposed)

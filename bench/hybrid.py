@@ -99,7 +99,9 @@ def switch_probe(url: str, long_tokens: int, join_after: int, short_tokens: int)
     first_started: list[float] = []
     thread = threading.Thread(target=stream_times, args=(url, long_tokens, first, first_started))
     thread.start()
-    while len(first) < join_after:
+    # Join once the first stream is well under way (chunks, not tokens: speculative
+    # chunks carry several tokens), or give up waiting if it already ended.
+    while len(first) < join_after and thread.is_alive():
         time.sleep(0.001)
     second: list[float] = []
     second_started: list[float] = []
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
                 results["blas"] = out["server"]["blas"].get("blas", "unknown")
             results["modes"][name] = {"levels": by_level, "switches": mode_switches(url)}
             if name == "hybrid":
-                results["switch"] = switch_probe(url, 160, 40, 24)
+                results["switch"] = switch_probe(url, 240, 10, 24)
         finally:
             stop(proc)
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -172,7 +172,15 @@ def build_tiny_model(
     """Build (or reuse, if complete) a tiny model directory loadable by `mlx_lm.load`."""
     out = Path(out_dir)
     marker = out / "tandem_demo.json"
-    wanted = json.dumps({"spec": asdict(spec), "vocab_size": vocab_size}, sort_keys=True)
+    recipe = {
+        "spec": asdict(spec),
+        "vocab_size": vocab_size,
+        # A changed tokenizer or template must rebuild a cached model, not reuse it.
+        "special_tokens": [BOS_TOKEN, EOS_TOKEN, *CHAT_SPECIAL_TOKENS, *MARKER_TOKENS, *FIM_TOKENS],
+        "chat_template": CHAT_TEMPLATE,
+        "layer_weight_scale": LAYER_WEIGHT_SCALE,
+    }
+    wanted = json.dumps(recipe, sort_keys=True)
     if marker.exists() and marker.read_text() == wanted:
         return out
     out.mkdir(parents=True, exist_ok=True)

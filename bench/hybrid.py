@@ -17,7 +17,6 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import httpx
 
 from bench.models import resolve_model
 from bench.serve import main as bench_serve
-from bench.single_stream import free_port
+from bench.single_stream import free_port, start_server
 
 MODES = {
     "hybrid": ["--batch-threshold", "2"],
@@ -36,37 +35,9 @@ MODES = {
 SWITCH_PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play"
 
 
-def start_server(model: str, draft: str | None, extra: list[str], port: int) -> subprocess.Popen:
-    tandem = str(Path(sys.executable).parent / "tandem")
-    cmd = [
-        tandem,
-        "serve",
-        model,
-        "--port",
-        str(port),
-        "--served-model-name",
-        "bench",
-        "--log-level",
-        "warning",
-        "--max-tokens",
-        "4096",
-        *extra,
-    ]
-    if draft:
-        cmd += ["--draft-model", draft]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited during startup: {' '.join(cmd)}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("server did not become healthy")
+def start_mode(model: str, draft: str | None, extra: list[str], port: int) -> subprocess.Popen:
+    flags = ["--max-tokens", "4096", *extra, *(["--draft-model", draft] if draft else [])]
+    return start_server(model, port, flags)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -156,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     for name, extra in MODES.items():
         port = free_port()
-        proc = start_server(model, draft, extra, port)
+        proc = start_mode(model, draft, extra, port)
         url = f"http://127.0.0.1:{port}"
         try:
             by_level = {}

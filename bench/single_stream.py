@@ -32,7 +32,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model: str, port: int) -> subprocess.Popen:
+def start_server(model: str, port: int, extra: list[str] | tuple = ()) -> subprocess.Popen:
+    """`tandem serve MODEL` on 127.0.0.1:port, healthy, with `extra` flags."""
     tandem = str(Path(sys.executable).parent / "tandem")
     cmd = [
         tandem,
@@ -44,6 +45,7 @@ def start_server(model: str, port: int) -> subprocess.Popen:
         "bench",
         "--log-level",
         "warning",
+        *extra,
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300

@@ -281,19 +281,6 @@ def tool_use_id(call: ToolCall) -> str:
     return f"toolu_{call.id.removeprefix('call_')}"
 
 
-def parsed_output(parser: OutputParser, event: TokenEvent) -> ParsedDelta:
-    """One event's parsed text; the final event also releases what the parser held."""
-    parsed = parser.feed(event.text)
-    if not event.final:
-        return parsed
-    tail = parser.finish()
-    return ParsedDelta(
-        parsed.content + tail.content,
-        parsed.reasoning + tail.reasoning,
-        parsed.tool_calls + tail.tool_calls,
-    )
-
-
 def empty_block(kind: str) -> dict:
     """A text or thinking block as content_block_start announces it."""
     if kind == "thinking":
@@ -400,7 +387,7 @@ def message_delta(event: TokenEvent, tool_calls: int) -> dict:
 def message_json(job: MessageJob, parser: OutputParser, events: list[TokenEvent]) -> dict:
     layout = BlockStream()
     for event in events:
-        layout.feed(parsed_output(parser, event))
+        layout.feed(parser.step(event.text, event.final))
     layout.close()
     last = events[-1]
     reason, sequence = stop_reason(last, parser.tool_calls_emitted)
@@ -460,7 +447,7 @@ async def message_events(
     layout = BlockStream()
     try:
         async for event in events:
-            for payload in layout.feed(parsed_output(parser, event)):
+            for payload in layout.feed(parser.step(event.text, event.final)):
                 yield sse_event(payload)
             if event.final:
                 for payload in layout.close():

@@ -244,14 +244,7 @@ async def chat_chunks(
         async for event in events:
             last = event
             before = parser.tool_calls_emitted
-            parsed = parser.feed(event.text)
-            if event.final:
-                tail = parser.finish()
-                parsed = ParsedDelta(
-                    parsed.content + tail.content,
-                    parsed.reasoning + tail.reasoning,
-                    parsed.tool_calls + tail.tool_calls,
-                )
+            parsed = parser.step(event.text, event.final)
             logprobs = choice_logprobs(job, [event]) if event.logprobs else None
             for delta in delta_fields(parsed, before):
                 yield sse_data(chunk(delta, None, logprobs))

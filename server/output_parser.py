@@ -111,6 +111,18 @@ class OutputParser:
         self.state, segments = TextStateMachine.split(self.state, text)
         return self._collect(segments)
 
+    def step(self, text: str, final: bool) -> ParsedDelta:
+        """One event's text split by kind; the final event also releases held text."""
+        parsed = self.feed(text)
+        if not final:
+            return parsed
+        tail = self.finish()
+        return ParsedDelta(
+            parsed.content + tail.content,
+            parsed.reasoning + tail.reasoning,
+            parsed.tool_calls + tail.tool_calls,
+        )
+
     def finish(self) -> ParsedDelta:
         """End of generation: release held text; a tool call without an end marker ends here."""
         self.state, held, current = TextStateMachine.flush(self.state)

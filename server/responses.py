@@ -444,19 +444,6 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
     return ResponsesJob(gen, model, body, conversation, tools, rendered.starts_in_reasoning)
 
 
-def parsed_output(parser: OutputParser, event: TokenEvent) -> ParsedDelta:
-    """An event's text split by kind; the final event also releases held-back text."""
-    parsed = parser.feed(event.text)
-    if not event.final:
-        return parsed
-    tail = parser.finish()
-    return ParsedDelta(
-        parsed.content + tail.content,
-        parsed.reasoning + tail.reasoning,
-        parsed.tool_calls + tail.tool_calls,
-    )
-
-
 def remember(store: ResponseStore, job: ResponsesJob, items: list[dict], result: dict) -> None:
     if job.body.store:
         conversation = [*job.conversation, assistant_turn(items)]
@@ -498,7 +485,7 @@ def output_items(parser: OutputParser, events: list[TokenEvent], status: str) ->
     """A finished generation's output items, built as the stream would build them."""
     assembler = OutputAssembler()
     for event in events:
-        assembler.feed(parsed_output(parser, event))
+        assembler.feed(parser.step(event.text, event.final))
     assembler.finish(status)
     return assembler.items
 
@@ -523,7 +510,7 @@ async def response_events(
     assembler = OutputAssembler()
     try:
         async for event in events:
-            payloads = assembler.feed(parsed_output(parser, event))
+            payloads = assembler.feed(parser.step(event.text, event.final))
             if event.final:
                 status = final_status(event)
                 payloads += assembler.finish(status)

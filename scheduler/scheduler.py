@@ -368,8 +368,6 @@ class Scheduler:
             if cache is None:
                 cache, cached = make_prompt_cache(self.registry.target.model), 0
             tracked.cached_tokens = cached
-            self.counters.prefix_queries += len(prompt)
-            self.counters.prefix_hits += cached
             engine.admit(SequenceState(tracked.seq, cache, cached))
             tracked.modes.append(self._mode.value)
         except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
@@ -416,7 +414,7 @@ class Scheduler:
                 tracked.modes.append(target.value)
         seconds = time.perf_counter() - started
         self.observer.on_mode_switch(source.value, target.value, seconds)
-        self.counters.record_switch(source.value, target.value, seconds, migrated)
+        self.counters.record_switch(source.value, target.value, migrated)
         log.info(
             "mode %s -> %s in %.1f ms (%d request migrated)",
             source.value,
@@ -437,7 +435,6 @@ class Scheduler:
                 engine.cancel(request_id)
                 self._finish(self._running.pop(request_id), FinishReason.ERROR, error=str(exc))
             return
-        self.counters.steps += 1
         if self._mode == Mode.BATCHED:
             self.counters.record_batch(len(self._running))
             self.observer.on_batch_step(len(self._running))

@@ -112,8 +112,6 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.totals = SpecStats()  # for /v1/stats
         self.finished: dict[str, int] = {}
-        self.batch_steps: dict[int, int] = {}
-        self.switches: dict[tuple[str, str], int] = {}
         self.errors: dict[str, int] = {}
         self.disconnects = 0
         self._build()
@@ -244,11 +242,9 @@ class Metrics:
     def on_mode_switch(self, source: str, target: str, seconds: float) -> None:
         self.mode_switches.labels(self.model_name, source, target).inc()
         self.switch_seconds.labels(self.model_name).observe(seconds)
-        self.switches[(source, target)] = self.switches.get((source, target), 0) + 1
 
     def on_batch_step(self, size: int) -> None:
         self.batch_size.labels(self.model_name).observe(size)
-        self.batch_steps[size] = self.batch_steps.get(size, 0) + 1
 
     # ---- server side (event loop) -------------------------------------------------
 
@@ -301,8 +297,11 @@ class Metrics:
                 "by_method": by_method,
                 "gate_trips": dict(spec.gate_trips),
             },
-            "mode_switches": {f"{a}->{b}": n for (a, b), n in sorted(self.switches.items())},
-            "batch_sizes": {str(k): v for k, v in sorted(self.batch_steps.items())},
+            "mode_switches": {
+                f"{a}->{b}": n for (a, b), n in sorted(scheduler.counters.mode_switches.items())
+            },
+            "migrated_requests": scheduler.counters.migrated_requests,
+            "batch_sizes": {str(k): v for k, v in sorted(scheduler.counters.batch_sizes.items())},
             "batched_engine_started": scheduler.batched_engine is not None,
             "memory_bytes": dict(scheduler.memory),
         }

@@ -110,6 +110,15 @@ def scheduler(tiny_model_dir):
     scheduler.stop()
 
 
+@pytest.fixture(scope="module")
+def spec_scheduler(tiny_model_dir, perturbed_draft_dir):
+    """A scheduler whose draft is the perturbed target: speculation with partial
+    acceptance on every surface. One per test module, so counters start fresh."""
+    scheduler = start_scheduler(tiny_model_dir, draft_model=str(perturbed_draft_dir))
+    yield scheduler
+    scheduler.stop()
+
+
 def make_client(scheduler: Scheduler, **config_overrides) -> httpx.AsyncClient:
     config = ServerConfig(
         scheduler=scheduler.config, served_model_name=MODEL_NAME, **config_overrides

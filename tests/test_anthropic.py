@@ -74,13 +74,6 @@ def forced(tiny_model_dir, reference):
     scheduler.stop()
 
 
-@pytest.fixture(scope="module")
-def spec_scheduler(tiny_model_dir, perturbed_draft_dir):
-    scheduler = start_scheduler(tiny_model_dir, draft_model=str(perturbed_draft_dir))
-    yield scheduler
-    scheduler.stop()
-
-
 def sdk_http(scheduler: Scheduler, **config_overrides) -> httpx2.AsyncClient:
     """The app behind an httpx2 client, configured as conftest's `make_client` does."""
     config = ServerConfig(

@@ -8,16 +8,9 @@ import json
 import pytest
 from mlx_lm import generate
 
-from tests.conftest import make_client, start_scheduler
+from tests.conftest import make_client
 
 PROMPT = "def add(a, b):\n    return a + b\n" * 3
-
-
-@pytest.fixture(scope="module")
-def spec_scheduler(tiny_model_dir, perturbed_draft_dir):
-    scheduler = start_scheduler(tiny_model_dir, draft_model=str(perturbed_draft_dir))
-    yield scheduler
-    scheduler.stop()
 
 
 def payload_for(endpoint: str, **extra) -> dict:

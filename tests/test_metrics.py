@@ -39,13 +39,6 @@ def delta(after, before, name: str, **labels) -> float:
     return value(after, name, **labels) - value(before, name, **labels)
 
 
-@pytest.fixture(scope="module")
-def spec_scheduler(tiny_model_dir, perturbed_draft_dir):
-    scheduler = start_scheduler(tiny_model_dir, draft_model=str(perturbed_draft_dir))
-    yield scheduler
-    scheduler.stop()
-
-
 async def scrape(client) -> dict:
     response = await client.get("/metrics")
     assert response.status_code == 200

@@ -62,13 +62,6 @@ def forced(tiny_model_dir, reference):
     scheduler.stop()
 
 
-@pytest.fixture(scope="module")
-def spec_scheduler(tiny_model_dir, perturbed_draft_dir):
-    scheduler = start_scheduler(tiny_model_dir, draft_model=str(perturbed_draft_dir))
-    yield scheduler
-    scheduler.stop()
-
-
 def sdk(http_client: httpx.AsyncClient) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(
         base_url="http://tandem.test/v1", api_key="x", http_client=http_client, max_retries=0

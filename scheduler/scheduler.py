@@ -208,6 +208,19 @@ class Scheduler:
 
     def _run(self) -> None:
         try:
+            self._serve()
+        finally:
+            # Work queued with async_eval (a pipelined token of a cancelled request)
+            # must finish, and this thread's MLX streams (and their worker threads) be
+            # destroyed here, before the thread ends: left to static destruction at
+            # interpreter exit they abort the process ("terminate called without an
+            # active exception").
+            mx.synchronize()
+            mx.clear_streams()
+
+    def _serve(self) -> None:
+        """Load the model, then step until stopped; every exit path ends all requests."""
+        try:
             self._load()
         except Exception as exc:  # noqa: BLE001 - any load failure is reported, not raised
             log.exception("model load failed")
@@ -232,10 +245,6 @@ class Scheduler:
             self.state = SchedulerState.FAILED
             self._abort_all(self.error)
             return
-        finally:
-            # Work queued with async_eval (a pipelined token of a cancelled request)
-            # must finish before the thread ends, or MLX's stream threads abort exit.
-            mx.synchronize()
         self._abort_all("server is shutting down")
 
     def _sample_memory(self, every_s: float = 0.5) -> None:

@@ -3,9 +3,11 @@ of a mode switch.
 
     tandem bench hybrid MODEL [--draft-model D] [--concurrency 1,2,4,8] [--max-tokens 64]
 
-Starts `tandem serve` three times on 127.0.0.1 -- hybrid (--batch-threshold 2),
-batch-only (--batch-threshold 1) and speculative-only (a threshold no load reaches:
-requests beyond the first wait) -- and load-tests each with `tandem bench serve`.
+Starts `tandem serve` four times on 127.0.0.1 -- hybrid (--batch-threshold 2),
+hybrid-wait (the same with --spec-wait-budget: newcomers may wait that long for a
+speculative run when it measurably outruns batching), batch-only (--batch-threshold
+1) and speculative-only (a threshold no load reaches: requests beyond the first
+wait) -- and load-tests each with `tandem bench serve`.
 Then, against the hybrid server, one long stream runs alone (speculative) and a
 second request arrives mid-stream: it reports the newcomer's TTFT and the first
 stream's largest inter-token gap around the switch vs its median gap.
@@ -29,6 +31,7 @@ from bench.single_stream import free_port, start_server
 
 MODES = {
     "hybrid": ["--batch-threshold", "2"],
+    "hybrid-wait": ["--batch-threshold", "2", "--spec-wait-budget", "WAIT"],
     "batch-only": ["--batch-threshold", "1"],
     "spec-only": ["--batch-threshold", "100000", "--max-num-seqs", "1"],
 }
@@ -112,6 +115,12 @@ def main(argv: list[str] | None = None) -> dict:
         default=2,
         help="requests per level = this x concurrency (at least 4)",
     )
+    parser.add_argument(
+        "--spec-wait-budget",
+        type=float,
+        default=2.0,
+        help="seconds, for the hybrid-wait server",
+    )
     parser.add_argument("--dataset", default="mixed")
     parser.add_argument("--output", type=Path, default=Path("bench/results/hybrid.json"))
     args = parser.parse_args(argv)
@@ -126,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         "modes": {},
     }
     for name, extra in MODES.items():
+        extra = [str(args.spec_wait_budget) if flag == "WAIT" else flag for flag in extra]
         port = free_port()
         proc = start_mode(model, draft, extra, port)
         url = f"http://127.0.0.1:{port}"
@@ -185,11 +195,14 @@ def report(results: dict, levels: list[int]) -> str:
         )
         for level in levels
     }
-    for level in levels:
-        hybrid = results["modes"]["hybrid"]["levels"][level]["output_throughput"]
-        lines.append(
-            f"hybrid / best(batch-only, spec-only) at c={level}: {hybrid / best[level]:.2f}"
-        )
+    for name in ("hybrid", "hybrid-wait"):
+        if name not in results["modes"]:
+            continue
+        for level in levels:
+            rate = results["modes"][name]["levels"][level]["output_throughput"]
+            lines.append(
+                f"{name} / best(batch-only, spec-only) at c={level}: {rate / best[level]:.2f}"
+            )
     switch = results.get("switch", {})
     if switch:
         lines.append(

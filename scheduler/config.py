@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from engines.gates import CostModel
 from engines.request import GenerationRequest
+from scheduler.throughput import ThroughputModel
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,9 @@ class SchedulerConfig:
     max_num_seqs: int = 16  # requests decoding at once (the batch size bound)
     batch_threshold: int = 2  # active requests at which the batched engine takes over
     batch_return_steps: int = 4  # steps below the threshold before going back
+    # Seconds a newcomer may wait for the running request to finish speculatively,
+    # when measured speculative tok/s beats batching; 0 = batch at once.
+    spec_wait_budget: float = 0.0
     batch_prefill_step_size: int = 512  # prefill chunk while batched (bounds others' gaps)
     prefix_cache_entries: int = 16  # finished requests' KV caches kept for reuse (0: off)
     prefix_cache_bytes: int = 2 << 30
@@ -28,3 +32,4 @@ class SchedulerConfig:
     logits_processor_factory: Callable[[GenerationRequest], list] | None = None
     prefill_step_size: int = 2048
     cost_model: CostModel | None = None  # None: measure verify costs at startup
+    throughput_model: ThroughputModel | None = None  # None: measure decode rates online

@@ -2,7 +2,8 @@
 
 One active request is served by the speculative engine; `batch_threshold` or more by
 the batched engine. Going back waits until the load has stayed below the threshold
-for `return_steps` consecutive steps, so a brief dip does not flap between modes.
+for `return_steps` consecutive steps, so a brief dip does not flap between modes;
+a request arriving when nothing runs starts speculative at once.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ class ModePolicy:
     return_steps: int = 4
     _below: int = 0  # consecutive steps with load under the threshold while batched
 
-    def choose(self, current: Mode, active: int) -> Mode:
-        """The mode for the next step, given the number of active requests."""
+    def choose(self, current: Mode, active: int, idle: bool = False) -> Mode:
+        """The mode for the next step, given the number of active requests; `idle`:
+        nothing is running, so going back migrates nothing and needs no hysteresis."""
         if active >= self.batch_threshold:
             self._below = 0
             return Mode.BATCHED
         if current == Mode.SPECULATIVE:
             return current
-        if active == 0:
+        if active == 0 or idle:
             self._below = 0
             return Mode.SPECULATIVE
         self._below += 1

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import mlx.core as mx
@@ -35,6 +36,7 @@ from scheduler.counters import SchedulerCounters
 from scheduler.observer import NullObserver, RequestRecord, SchedulerObserver, log_request
 from scheduler.policy import Mode, ModePolicy
 from scheduler.stream import RequestStream, TokenEvent
+from scheduler.throughput import ThroughputModel, serial_wait_fits
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +111,10 @@ class Scheduler:
             else None
         )
         self.counters = SchedulerCounters()
+        self.throughput = config.throughput_model or ThroughputModel()
+        self._last_step: tuple[tuple[Mode, int], float] | None = None  # shape, end time
         self.memory: dict[str, int] = {}
+        self.measured_rates: dict = {}  # engine-thread snapshot of `throughput`
         self._memory_sampled = 0.0
 
     # ---- asyncio side -------------------------------------------------------------
@@ -238,7 +243,7 @@ class Scheduler:
                 self._apply(commands)
                 self._schedule()
                 self._step()
-                self._sample_memory()
+                self._sample_gauges()
         except Exception as exc:  # noqa: BLE001 - the loop itself broke: report, fail all
             log.exception("engine loop failed; the server must be restarted")
             self.error = f"engine failed: {exc}"
@@ -247,8 +252,9 @@ class Scheduler:
             return
         self._abort_all("server is shutting down")
 
-    def _sample_memory(self, every_s: float = 0.5) -> None:
-        """MLX memory, read on the engine thread (the only thread that touches MLX)."""
+    def _sample_gauges(self, every_s: float = 0.5) -> None:
+        """MLX memory (read on the engine thread, the only thread that touches MLX) and
+        a snapshot of the measured rates, for readers on other threads."""
         now = time.monotonic()
         if now - self._memory_sampled < every_s:
             return
@@ -258,6 +264,7 @@ class Scheduler:
             "cache": mx.get_cache_memory(),
             "peak": mx.get_peak_memory(),
         }
+        self.measured_rates = self.throughput.as_dict()
 
     def _load(self) -> None:
         config = self.config
@@ -354,15 +361,40 @@ class Scheduler:
 
     def _schedule(self) -> None:
         """Pick the mode for this step, migrate at the boundary, then admit."""
-        admissible = min(len(self._waiting), self.config.max_num_seqs - len(self._running))
-        target = self._policy.choose(self._mode, len(self._running) + admissible)
+        admissible = self._admissible()
+        active = len(self._running) + admissible
+        target = self._policy.choose(self._mode, active, idle=not self._running)
         if target != self._mode:
             self._switch(target)
+            self._last_step = None
         engine = self._engine()
-        while self._waiting and len(self._running) < self.config.max_num_seqs:
+        for _ in range(admissible):
             if self._mode == Mode.SPECULATIVE and not engine.has_capacity:
                 break
             self._start(self._waiting.popleft(), engine)
+            self._last_step = None  # the next step prefills: not a decode-rate sample
+
+    def _admissible(self) -> int:
+        """How many waiting requests to admit now: all that fit, unless they should
+        wait for the running work to finish speculatively (`spec_wait_budget`)."""
+        free = min(len(self._waiting), self.config.max_num_seqs - len(self._running))
+        if free > 1 or (free and self._running):
+            if self._serial_wait_fits(free):
+                return 0 if self._running else 1
+        return free
+
+    def _serial_wait_fits(self, free: int) -> bool:
+        budget = self.config.spec_wait_budget
+        if budget <= 0 or not self.throughput.serial_is_faster(len(self._running) + free):
+            return False
+        left = sum(
+            max(0, t.request.max_tokens - t.completion_tokens) for t in self._running.values()
+        )
+        waiters = [(t.arrived, t.request.max_tokens) for t in islice(self._waiting, free)]
+        if not self._running:  # the first waiter starts now; the others queue behind it
+            left, waiters = waiters[0][1], waiters[1:]
+        rate = self.throughput.speculative.rate
+        return serial_wait_fits(budget, time.monotonic(), left, waiters, rate)
 
     def _start(self, tracked: _Tracked, engine) -> None:
         """Start a request in `engine`, from the longest cached prefix of its prompt."""
@@ -434,8 +466,10 @@ class Scheduler:
 
     def _step(self) -> None:
         if not self._running:
+            self._last_step = None
             return
         engine = self._engine()
+        batch_size = len(self._running)
         try:
             outputs = engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the requests in this step, keep serving
@@ -443,13 +477,24 @@ class Scheduler:
             for request_id in list(self._running):
                 engine.cancel(request_id)
                 self._finish(self._running.pop(request_id), FinishReason.ERROR, error=str(exc))
+            self._last_step = None
             return
+        self._measure((self._mode, batch_size), sum(len(o.token_ids) for o in outputs))
         if self._mode == Mode.BATCHED:
-            self.counters.record_batch(len(self._running))
-            self.observer.on_batch_step(len(self._running))
+            self.counters.record_batch(batch_size)
+            self.observer.on_batch_step(batch_size)
         for output in outputs:
             self._publish(output)
         self._keep_finished_caches(engine)
+
+    def _measure(self, shape: tuple[Mode, int], tokens: int) -> None:
+        """A decode-rate sample: wall time since the previous step of the same shape."""
+        now = time.perf_counter()
+        if self._last_step is not None and self._last_step[0] == shape:
+            mode, batch_size = shape
+            seconds = now - self._last_step[1]
+            self.throughput.record(mode == Mode.BATCHED, batch_size, tokens, seconds)
+        self._last_step = (shape, now)
 
     def _keep_finished_caches(self, engine) -> None:
         for state in engine.released:

@@ -103,6 +103,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="steps below the threshold before returning to speculation (hysteresis)",
     )
     parser.add_argument(
+        "--spec-wait-budget",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="let a newcomer wait up to this long for the running request to finish "
+        "speculatively, when measured speculative tok/s beats batching (0: batch at once)",
+    )
+    parser.add_argument(
         "--prefix-cache-entries",
         type=int,
         default=16,

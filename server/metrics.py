@@ -304,6 +304,7 @@ class Metrics:
             "batch_sizes": {str(k): v for k, v in sorted(scheduler.counters.batch_sizes.items())},
             "batched_engine_started": scheduler.batched_engine is not None,
             "memory_bytes": dict(scheduler.memory),
+            "measured_rates": dict(scheduler.measured_rates),
         }
 
 

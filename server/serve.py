@@ -80,6 +80,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
             max_num_seqs=args.max_num_seqs,
             batch_threshold=args.batch_threshold,
             batch_return_steps=args.batch_return_steps,
+            spec_wait_budget=args.spec_wait_budget,
             prefix_cache_entries=args.prefix_cache_entries,
             prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)),
             request_timeout=args.request_timeout,

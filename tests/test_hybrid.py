@@ -159,6 +159,8 @@ def test_policy_has_hysteresis():
     assert policy.choose(mode, 1) == Mode.BATCHED
     assert policy.choose(mode, 1) == Mode.SPECULATIVE
     assert policy.choose(Mode.BATCHED, 0) == Mode.SPECULATIVE
+    # A newcomer after the batch emptied starts speculative: nothing to migrate.
+    assert policy.choose(Mode.BATCHED, 1, idle=True) == Mode.SPECULATIVE
 
 
 async def test_queue_bound_gives_503_quickly_and_the_rest_complete(tiny_model_dir):

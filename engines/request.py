@@ -38,6 +38,19 @@ class SpeculationOverrides:
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """What the output must match: an llguidance grammar (compiled from a JSON schema
+    by `engines.constraints.GrammarCompiler`).
+
+    `free_until`: a token id (a reasoning model's `</think>`) before which output is
+    unconstrained, for templates that open a think block; the grammar applies after it.
+    """
+
+    grammar: str
+    free_until: int | None = None
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One generation job: prompt token ids, sampling, limits and stop conditions."""
 
@@ -50,3 +63,4 @@ class GenerationRequest:
     speculation: SpeculationOverrides = field(default_factory=SpeculationOverrides)
     surface: str = ""  # which API asked (for logs and metrics only)
     logprobs: int | None = None  # report each token's logprob and this many alternatives
+    constraint: Constraint | None = None  # output must match this grammar

@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from engines.batched import BatchedEngine
+from engines.constraints import GrammarCompiler
 from engines.errors import ContextTooLong, InvalidRequest, QueueFull, ServerNotReady
 from engines.prefix_cache import PrefixCache
 from engines.registry import ModelRegistry
@@ -56,6 +57,7 @@ class ModelInfo:
     tokenizer: Any
     context_length: int | None
     has_draft: bool
+    grammar: GrammarCompiler  # JSON schemas -> constraints for this tokenizer
 
 
 @dataclass
@@ -287,6 +289,7 @@ class Scheduler:
             tokenizer=registry.tokenizer,
             context_length=registry.target.context_length,
             has_draft=registry.draft is not None,
+            grammar=GrammarCompiler(registry.tokenizer),
         )
 
     @property
@@ -402,7 +405,10 @@ class Scheduler:
         prompt = list(tracked.request.prompt_tokens)
         try:
             factory = self.config.logits_processor_factory
-            extra = factory(tracked.request) if factory else None
+            extra = list(factory(tracked.request)) if factory else []
+            if tracked.request.constraint is not None:
+                grammar = self.model_info.grammar
+                extra.append(grammar.processor(tracked.request.constraint, len(prompt)))
             tracked.seq = make_sequence(tracked.request, self.registry.tokenizer, extra)
             tracked.seq.inject_fault = self._matches_fault_marker(prompt)
             cache, cached = self._prefix.lookup(prompt) if self._prefix else (None, 0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -52,6 +52,7 @@ from server.http import (
 )
 from server.output_parser import OutputParser, ParsedDelta, ToolCall
 from server.prompts import RenderedChat, encode_text, render_chat
+from server.structured import anthropic_output_format, constraint_for, forced_tool_constraint
 
 TEXT_JOIN = "\n"  # between consecutive text blocks of one turn, as vLLM joins text parts
 
@@ -181,21 +182,14 @@ def template_tools(body: MessagesPrompt) -> list | None:
     return [template_tool(tool, index) for index, tool in enumerate(body.tools)]
 
 
-def refuse_unsupported(body: MessagesRequest) -> None:
-    """What needs constrained decoding is refused by name, never silently ignored."""
+def forced_tool(body: MessagesRequest) -> tuple[bool, str | None]:
+    """(forced, tool name): tool_choice 'any' forces some tool, 'tool' the named one."""
     choice = body.tool_choice
-    if choice is not None and choice.type in ("any", "tool"):
-        raise bad_request(
-            f"tool_choice '{choice.type}' is not supported: forcing a tool call needs "
-            "constrained decoding, which this server does not have; use 'auto' or 'none'",
-            "tool_choice",
-        )
-    if body.output_format or (body.output_config and body.output_config.format):
-        raise bad_request(
-            "structured output (output_config.format) needs constrained decoding, which this "
-            "server does not have; ask for JSON in the prompt and validate it client-side",
-            "output_config.format",
-        )
+    if choice is None or choice.type not in ("any", "tool"):
+        return False, None
+    if choice.type == "tool" and not choice.name:
+        raise bad_request("tool_choice of type 'tool' needs a name", "tool_choice.name")
+    return True, choice.name if choice.type == "tool" else None
 
 
 def render_prompt(
@@ -412,13 +406,32 @@ def sse_event(payload: dict) -> str:
 
 def to_job(request: Request, body: MessagesRequest, model: str) -> MessageJob:
     info = model_info_of(request)
-    refuse_unsupported(body)
     tools = template_tools(body)
     rendered = render_prompt(info.tokenizer, body, tools, output_markers(request).think)
     max_tokens = effective_max_tokens(
         body.max_tokens, len(rendered.ids), info.context_length, config_of(request).max_tokens
     )
     gen = generation_request(body, rendered.ids, max_tokens)
+    fmt = (body.output_config.format if body.output_config else None) or body.output_format
+    schema = anthropic_output_format(fmt)
+    markers = output_markers(request)
+    forced, forced_name = forced_tool(body)
+    if forced and schema is not None:
+        raise bad_request("output_config.format cannot apply to a forced tool call", "tool_choice")
+    if forced:
+        constraint = forced_tool_constraint(
+            tools, forced_name, markers, info.grammar, info.tokenizer, rendered.starts_in_reasoning
+        )
+    else:
+        constraint = constraint_for(
+            schema,
+            markers,
+            info.grammar,
+            info.tokenizer,
+            rendered.starts_in_reasoning,
+            "output_config.format",
+        )
+    gen = replace(gen, constraint=constraint)
     return MessageJob(gen, model, tools, rendered.starts_in_reasoning)
 
 

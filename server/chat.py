@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -35,6 +35,12 @@ from server.output_parser import OutputParser, ParsedDelta, ToolCall
 from server.prompts import message_text, render_chat
 from server.schemas import ChatCompletionRequest, ChatMessage
 from server.sse import DONE, sse_data
+from server.structured import (
+    chat_response_format,
+    constraint_for,
+    forced_tool_constraint,
+    openai_tool_choice,
+)
 from server.usage import finish_reason_name, usage
 
 
@@ -48,23 +54,6 @@ class ChatJob:
     starts_in_reasoning: bool
     tokenizer: Any
     created: int = field(default_factory=lambda: int(time.time()))
-
-
-def refuse_unsupported(body: ChatCompletionRequest) -> None:
-    kind = (body.response_format or {}).get("type")
-    if kind not in (None, "text"):
-        raise bad_request(
-            f"response_format '{kind}' needs constrained decoding, which this server does not "
-            "have; ask for JSON in the prompt and validate it client-side",
-            "response_format",
-        )
-    choice = body.tool_choice
-    if choice not in (None, "auto", "none"):
-        raise bad_request(
-            "tool_choice can only be 'auto' or 'none': forcing a tool call needs constrained "
-            "decoding, which this server does not have",
-            "tool_choice",
-        )
 
 
 def tool_call_arguments(call: dict, index: int) -> dict:
@@ -104,7 +93,8 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict]:
 def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob:
     config = config_of(request)
     info = model_info_of(request)
-    refuse_unsupported(body)
+    forced, forced_name = openai_tool_choice(body.tool_choice)
+    schema = chat_response_format(body.response_format)
     tools = (
         [t.model_dump(exclude_none=True) for t in body.tools]
         if body.tools and body.tool_choice != "none"
@@ -131,6 +121,22 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
         "chat",
         logprobs=logprobs,
     )
+    if forced and schema is not None:
+        raise bad_request("response_format cannot apply to a forced tool call", "tool_choice")
+    if forced:
+        constraint = forced_tool_constraint(
+            tools, forced_name, markers, info.grammar, info.tokenizer, rendered.starts_in_reasoning
+        )
+    else:
+        constraint = constraint_for(
+            schema,
+            markers,
+            info.grammar,
+            info.tokenizer,
+            rendered.starts_in_reasoning,
+            "response_format",
+        )
+    gen = replace(gen, constraint=constraint)
     return ChatJob(gen, model, tools, rendered.starts_in_reasoning, info.tokenizer)
 
 

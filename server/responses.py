@@ -19,7 +19,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import Any
 
@@ -55,6 +55,12 @@ from server.responses_schemas import (
     TextContent,
 )
 from server.responses_store import ResponseStore, StoredResponse
+from server.structured import (
+    constraint_for,
+    forced_tool_constraint,
+    openai_tool_choice,
+    responses_text_format,
+)
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
@@ -68,19 +74,6 @@ def new_item_id(prefix: str) -> str:
 
 def refuse_unsupported(body: ResponsesRequest) -> None:
     """Fields we understand but cannot honour are refused by name, never ignored."""
-    kind = (body.text.format or {}).get("type") if body.text else None
-    if kind not in (None, "text"):
-        raise bad_request(
-            f"text.format '{kind}' needs constrained decoding, which this server does not "
-            "have; ask for JSON in the prompt and validate it client-side",
-            "text.format",
-        )
-    if body.tool_choice not in (None, "auto", "none"):
-        raise bad_request(
-            "tool_choice can only be 'auto' or 'none': forcing a tool call needs constrained "
-            "decoding, which this server does not have",
-            "tool_choice",
-        )
     for index, tool in enumerate(body.tools or []):
         if isinstance(tool, OtherTool):
             raise bad_request(
@@ -408,7 +401,7 @@ def response_object(
         "store": body.store,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": (body.text.format if body.text else None) or {"type": "text"}},
         "tool_choice": body.tool_choice or "auto",
         "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
         "truncation": "disabled",
@@ -421,6 +414,8 @@ def response_object(
 
 def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob:
     refuse_unsupported(body)
+    forced, forced_name = openai_tool_choice(body.tool_choice)
+    schema = responses_text_format(body.text.format if body.text else None)
     config, info = config_of(request), model_info_of(request)
     conversation = previous_conversation(store_of(request), body.previous_response_id)
     conversation += normalize_input(body.input)
@@ -441,6 +436,22 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
     gen = build_request(
         new_item_id("resp"), body, rendered.ids, max_tokens, len(info.tokenizer), "responses"
     )
+    if forced and schema is not None:
+        raise bad_request("text.format cannot apply to a forced tool call", "tool_choice")
+    if forced:
+        constraint = forced_tool_constraint(
+            tools, forced_name, markers, info.grammar, info.tokenizer, rendered.starts_in_reasoning
+        )
+    else:
+        constraint = constraint_for(
+            schema,
+            markers,
+            info.grammar,
+            info.tokenizer,
+            rendered.starts_in_reasoning,
+            "text.format",
+        )
+    gen = replace(gen, constraint=constraint)
     return ResponsesJob(gen, model, body, conversation, tools, rendered.starts_in_reasoning)
 
 

@@ -44,13 +44,13 @@ BAD_REQUESTS = [
         CHAT,
         {
             "messages": USER,
-            "tool_choice": "required",
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
             "tools": [{"type": "function", "function": {"name": "f"}}],
         },
         400,
         "tool_choice",
     ),
-    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (CHAT, {"messages": USER, "response_format": {"type": "xml"}}, 400, "response_format"),
     (
         CHAT,
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

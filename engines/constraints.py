@@ -1,0 +1,176 @@
+"""Grammar-constrained decoding: JSON output that matches a schema, via llguidance.
+
+A constraint is one more logits processor: it masks every token the grammar forbids
+at this position. Because it is a pure function of the token history (prompt +
+generated + any drafts), the speculative engine applies it identically to the
+target's verify rows and the draft model's proposals, and a request keeps its
+constraint when it migrates between engines: exactness and migration need nothing
+special. The matcher follows the history incrementally (roll back to the common
+prefix, consume the rest), so verifying k drafts costs k token steps, not a replay.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import mlx.core as mx
+import numpy as np
+
+from engines.errors import InvalidRequest
+from engines.request import Constraint
+
+# json.dumps' layout, and no other whitespace: a flexible-whitespace grammar lets a
+# model pad or loop on blanks until max_tokens, leaving the JSON unfinished.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarCompiler:
+    """JSON schemas -> grammars, checked against one tokenizer, and per-request
+    processors. The llguidance tokenizer is built once, on first use (about a second
+    for a 150k vocabulary); any thread may call this."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+
+    @property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    hf, eos_token=sorted(self._tokenizer.eos_token_ids)
+                )
+            return self._ll_tokenizer
+
+    def json_schema(self, schema: Any, free_until: int | None = None) -> Constraint:
+        """A constraint for JSON matching `schema` (a dict; {} allows any JSON value)."""
+        if not isinstance(schema, dict):
+            raise InvalidRequest("the JSON schema must be an object")
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
+        except Exception as exc:  # noqa: BLE001 - whatever the compiler rejects is a bad schema
+            raise InvalidRequest(f"invalid JSON schema: {exc}") from None
+        return self._compiled(grammar, free_until)
+
+    def _compiled(self, grammar: str, free_until: int | None) -> Constraint:
+        """`grammar`, checked against this tokenizer; InvalidRequest if it cannot be used."""
+        try:
+            tokenizer = self.ll_tokenizer
+        except Exception as exc:  # noqa: BLE001 - e.g. a slow (non-`tokenizers`) tokenizer
+            raise InvalidRequest(
+                f"constrained output is not available for this model's tokenizer: {exc}"
+            ) from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+        if error:
+            raise InvalidRequest(f"invalid JSON schema: {error}")
+        return Constraint(grammar, free_until)
+
+    def tool_call(
+        self, functions: list[dict], start: str, end: str | None, free_until: int | None = None
+    ) -> Constraint:
+        """Exactly one tool call in the JSON-in-tags format (`<tool_call>` {"name": ...,
+        "arguments": {...}} `</tool_call>`), to one of `functions` (chat-template
+        function dicts: name, parameters), its arguments matching that tool's schema."""
+        variants = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": function["name"]},
+                    "arguments": function.get("parameters") or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for function in functions
+        ]
+        schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+        schema = {**schema, "x-guidance": JSON_STYLE}
+        closing = f' "\\n" {self._literal(end)}' if end else ""
+        rules = [
+            f'start: {self._literal(start)} "\\n" call{closing}',
+            f"call: %json {json.dumps(schema)}",
+        ]
+        lark = "\n".join(rules)
+        return self._compiled(llguidance.LLMatcher.grammar_from_lark(lark), free_until)
+
+    def _literal(self, marker: str) -> str:
+        """A marker in lark: a special token by name when it is one, else its text."""
+        ids = self._tokenizer.encode(marker, add_special_tokens=False)
+        special = set(getattr(self._tokenizer, "all_special_ids", ()) or ())
+        added = getattr(getattr(self._tokenizer, "_tokenizer", None), "added_tokens_decoder", {})
+        if len(ids) == 1 and (ids[0] in special or ids[0] in added):
+            return marker
+        return json.dumps(marker)
+
+    def processor(self, constraint: Constraint, prompt_length: int) -> GrammarProcessor:
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, constraint.grammar, log_level=0)
+        eos = sorted(self._tokenizer.eos_token_ids)
+        vocab = self.ll_tokenizer.vocab_size
+        return GrammarProcessor(matcher, vocab, prompt_length, eos, constraint.free_until)
+
+
+class GrammarProcessor:
+    """(tokens, logits) -> logits with forbidden tokens at -inf; one per request."""
+
+    def __init__(
+        self,
+        matcher: Any,
+        vocab_size: int,
+        prompt_length: int,
+        eos_ids: list[int],
+        free_until: int | None,
+    ) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.prompt_length = prompt_length
+        self.eos_ids = eos_ids
+        self.free_until = free_until
+        self.consumed: list[int] = []  # what the matcher has consumed, in order
+        self._bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        generated = tokens.tolist()[self.prompt_length :]
+        if self.free_until is not None:
+            if self.free_until not in generated:
+                return logits  # still reasoning: unconstrained
+            generated = generated[generated.index(self.free_until) + 1 :]
+        allowed = self._allowed_after(generated)
+        vocab = logits.shape[-1]
+        if allowed.size < vocab:
+            allowed = np.concatenate([allowed, np.zeros(vocab - allowed.size, dtype=bool)])
+        return mx.where(mx.array(allowed[:vocab]), logits, -mx.inf)
+
+    def _allowed_after(self, generated: list[int]) -> np.ndarray:
+        """The tokens the grammar allows after `generated` (a bool per token id)."""
+        common = 0
+        limit = min(len(self.consumed), len(generated))
+        while common < limit and self.consumed[common] == generated[common]:
+            common += 1
+        if common < len(self.consumed):
+            self.matcher.rollback(len(self.consumed) - common)
+            del self.consumed[common:]
+        new = generated[common:]
+        taken = self.matcher.try_consume_tokens(new) if new else 0
+        self.consumed.extend(new[:taken])
+        if taken < len(new) or self.matcher.is_stopped():
+            # Done, or the history left the grammar (only a draft token beyond the
+            # first rejected one can: its row is never used). Either way, only EOS.
+            return self._only_eos()
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, self._bitmask)
+        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
+        allowed = bits[: self.vocab_size].astype(bool)
+        if not allowed.any():
+            return self._only_eos()
+        return allowed
+
+    def _only_eos(self) -> np.ndarray:
+        allowed = np.zeros(max(self.eos_ids) + 1, dtype=bool)
+        allowed[self.eos_ids] = True
+        return allowed

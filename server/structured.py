@@ -1,0 +1,167 @@
+"""Structured outputs: OpenAI `response_format` (chat) and `text.format` (Responses),
+Anthropic `output_config.format` -> an engine `Constraint`, so the model can only
+write JSON matching the schema.
+
+`json_object` means any JSON object; `json_schema` means the given schema (strict or
+not, we always enforce it). A template that opens a think block leaves the reasoning
+free and constrains what follows `</think>`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engines.errors import InvalidRequest
+from engines.request import Constraint
+from server.errors import bad_request
+
+ANY_OBJECT = {"type": "object"}
+JSON_TOOLS = "mlx_lm.tool_parsers.json_tools"
+
+
+def chat_response_format(fmt: Any) -> dict | None:
+    """The JSON schema a chat `response_format` asks for; None for plain text."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("response_format must be an object", "response_format")
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return ANY_OBJECT
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad_request(
+                "response_format.json_schema must be an object with a 'schema'",
+                "response_format.json_schema",
+            )
+        return _schema_of(spec, "response_format.json_schema.schema")
+    raise bad_request(
+        f"response_format type must be 'text', 'json_object' or 'json_schema', not {kind!r}",
+        "response_format",
+    )
+
+
+def responses_text_format(fmt: Any) -> dict | None:
+    """The JSON schema a Responses `text.format` asks for; None for plain text."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object", "text.format")
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return ANY_OBJECT
+    if kind == "json_schema":
+        return _schema_of(fmt, "text.format.schema")
+    raise bad_request(
+        f"text.format type must be 'text', 'json_object' or 'json_schema', not {kind!r}",
+        "text.format",
+    )
+
+
+def anthropic_output_format(fmt: Any) -> dict | None:
+    """The JSON schema an Anthropic `output_config.format` (or the older top-level
+    `output_format`) asks for: `{"type": "json_schema", "schema": {...}}`."""
+    if fmt is None:
+        return None
+    param = "output_config.format"
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise bad_request("output_config.format must be {type: 'json_schema', schema}", param)
+    if "schema" not in fmt:
+        raise bad_request("output_config.format needs a 'schema'", param)
+    return _schema_of(fmt, param)
+
+
+def _schema_of(spec: dict, param: str) -> dict:
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise bad_request("the JSON schema must be an object", param)
+    return schema
+
+
+def openai_tool_choice(choice: Any) -> tuple[bool, str | None]:
+    """(forced, tool name) from an OpenAI tool_choice: 'auto' / 'none' / 'required', or
+    a named function (chat: {"type": "function", "function": {"name"}}; Responses:
+    {"type": "function", "name"})."""
+    if choice in (None, "auto", "none"):
+        return False, None
+    if choice == "required":
+        return True, None
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else choice.get("name")
+        if isinstance(name, str) and name:
+            return True, name
+    raise bad_request(
+        "tool_choice must be 'auto', 'none', 'required' or a function by name", "tool_choice"
+    )
+
+
+def forced_tool_constraint(
+    tools: list[dict] | None,
+    forced_name: str | None,
+    markers,
+    grammar,
+    tokenizer,
+    starts_in_reasoning: bool,
+    param: str = "tool_choice",
+) -> Constraint:
+    """One call to a tool (`forced_name`, or any of `tools`), in the model's own
+    tool-call markup. Supported where that markup is JSON in tags (mlx-lm's
+    `json_tools` parser: Qwen, Hermes and similar templates)."""
+    if not tools:
+        raise bad_request("tool_choice forces a tool call, but the request has no tools", param)
+    parser = markers.tool_parser
+    if markers.tool is None or getattr(parser, "__module__", "") != JSON_TOOLS:
+        raise bad_request(
+            "forcing a tool call needs a model whose tool calls are JSON in <tool_call> tags "
+            "(the json_tools parser); use tool_choice 'auto' with this model",
+            param,
+        )
+    functions = [tool.get("function", tool) for tool in tools]
+    if forced_name is not None:
+        functions = [f for f in functions if f.get("name") == forced_name]
+        if not functions:
+            raise bad_request(f"tool_choice names '{forced_name}', which is not in tools", param)
+    start, end = markers.tool
+    try:
+        return grammar.tool_call(
+            functions, start, end, _free_until(tokenizer, markers, starts_in_reasoning, param)
+        )
+    except InvalidRequest as exc:
+        raise bad_request(f"cannot force this tool call: {exc}", param) from None
+
+
+def _free_until(tokenizer, markers, starts_in_reasoning: bool, param: str) -> int | None:
+    """The `</think>` token id when the template opens a think block, else None."""
+    think_end = markers.think[1] if markers.think else None
+    if not (starts_in_reasoning and think_end):
+        return None
+    ids = tokenizer.encode(think_end, add_special_tokens=False)
+    if len(ids) != 1:
+        raise bad_request(
+            f"constrained output after a think block needs '{think_end}' to be one token", param
+        )
+    return ids[0]
+
+
+def constraint_for(
+    schema: dict | None,
+    markers,
+    grammar,
+    tokenizer,
+    starts_in_reasoning: bool,
+    param: str,
+) -> Constraint | None:
+    """Compile `schema` for this model; a 400 naming `param` if it cannot be enforced."""
+    if schema is None:
+        return None
+    free_until = _free_until(tokenizer, markers, starts_in_reasoning, param)
+    try:
+        return grammar.json_schema(schema, free_until)
+    except InvalidRequest as exc:
+        raise bad_request(str(exc), param) from None

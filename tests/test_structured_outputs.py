@@ -1,0 +1,379 @@
+"""Structured outputs: `response_format` (chat) and `text.format` (Responses) make the
+model write JSON matching the schema -- through the speculative engine (draft and
+prompt lookup), the batched engine, and the real HTTP stack -- and the constrained
+output is exactly what plain mlx-lm decoding with the same constraint produces."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from engines.constraints import GrammarCompiler
+from engines.request import GenerationRequest, SamplingParams
+from tests.conftest import MODEL_NAME, make_client, start_scheduler
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "size": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["color", "size", "ok"],
+    "additionalProperties": False,
+}
+PROMPTS = ["Describe the ball as JSON.", "The weather today", "import json, os, sys"]
+
+
+def matches_schema(value) -> bool:
+    return (
+        isinstance(value, dict)
+        and set(value) == {"color", "size", "ok"}
+        and value["color"] in ("red", "green", "blue")
+        and isinstance(value["size"], int)
+        and 0 <= value["size"] <= 99
+        and isinstance(value["ok"], bool)
+    )
+
+
+@pytest.fixture(scope="module")
+def constrained(tiny_model_dir, perturbed_draft_dir):
+    """Both drafters on: a draft model and prompt lookup."""
+    scheduler = start_scheduler(tiny_model_dir, draft_model=str(perturbed_draft_dir))
+    yield scheduler
+    scheduler.stop()
+
+
+def reference_json_tokens(reference, prompt: list[int], max_tokens: int) -> list[int]:
+    """Plain mlx-lm greedy decoding with the same constraint, up to and with EOS."""
+    compiler = GrammarCompiler(reference.tokenizer)
+    processor = compiler.processor(compiler.json_schema(SCHEMA), len(prompt))
+    tokens = []
+    for token in reference.greedy_tokens(prompt, max_tokens, logits_processors=[processor]):
+        tokens.append(token)
+        if token in reference.tokenizer.eos_token_ids:
+            break
+    return tokens
+
+
+def text_of(reference, tokens: list[int]) -> str:
+    eos = reference.tokenizer.eos_token_ids
+    return reference.tokenizer.decode([t for t in tokens if t not in eos])
+
+
+def json_request(scheduler, rid: str, prompt: list[int], **sampling) -> GenerationRequest:
+    constraint = scheduler.model_info.grammar.json_schema(SCHEMA)
+    return GenerationRequest(
+        rid,
+        tuple(prompt),
+        64,
+        SamplingParams(**({"temperature": 0.0} | sampling)),
+        constraint=constraint,
+    )
+
+
+async def tokens_of(stream) -> list[int]:
+    return [t for event in await stream.collect() for t in event.token_ids]
+
+
+async def test_speculative_constrained_output_equals_plain_constrained_decoding(
+    constrained, reference
+):
+    for i, text in enumerate(PROMPTS):
+        prompt = reference.tokenizer.encode(text)
+        tokens = await tokens_of(constrained.submit(json_request(constrained, f"s{i}", prompt)))
+        assert tokens == reference_json_tokens(reference, prompt, 64)
+        assert tokens[-1] in reference.tokenizer.eos_token_ids  # finished, not cut
+        assert matches_schema(json.loads(text_of(reference, tokens)))
+    assert constrained.batched_engine is None or constrained.mode.value == "speculative"
+
+
+async def test_batched_constrained_outputs_each_equal_their_solo_output(constrained, reference):
+    prompts = [reference.tokenizer.encode(text) for text in PROMPTS]
+    streams = [
+        constrained.submit(json_request(constrained, f"b{i}", p)) for i, p in enumerate(prompts)
+    ]
+    results = await asyncio.gather(*(tokens_of(s) for s in streams))
+    assert constrained.batched_engine is not None
+    for prompt, tokens in zip(prompts, results, strict=True):
+        assert tokens == reference_json_tokens(reference, prompt, 64)
+
+
+async def test_sampled_constrained_outputs_always_match_the_schema(constrained, reference):
+    prompt = reference.tokenizer.encode(PROMPTS[0])
+    for seed in range(6):
+        request = json_request(constrained, f"t{seed}", prompt, temperature=1.0, seed=seed)
+        text = text_of(reference, await tokens_of(constrained.submit(request)))
+        assert matches_schema(json.loads(text)), text
+
+
+async def test_chat_response_format_json_schema_over_http(constrained):
+    async with make_client(constrained) as client:
+        for stream in (False, True):
+            body = {
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": "A ball, as JSON"}],
+                "max_tokens": 64,
+                "temperature": 0,
+                "stream": stream,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "ball", "schema": SCHEMA, "strict": True},
+                },
+            }
+            response = await client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200
+            if stream:
+                content = "".join(
+                    json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                    for line in response.text.splitlines()
+                    if line.startswith("data: {") and '"choices":[{' in line.replace(" ", "")
+                )
+            else:
+                message = response.json()["choices"][0]
+                assert message["finish_reason"] == "stop"
+                content = message["message"]["content"]
+            assert matches_schema(json.loads(content)), content
+
+
+async def test_chat_json_object_gives_a_json_object(constrained):
+    async with make_client(constrained) as client:
+        response = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": "anything"}],
+                "max_tokens": 200,
+                "temperature": 0,
+                "response_format": {"type": "json_object"},
+            },
+        )
+    choice = response.json()["choices"][0]
+    if choice["finish_reason"] == "stop":  # a random model may still be mid-object at 200
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+    else:
+        assert choice["message"]["content"].startswith("{")
+
+
+class Ball(BaseModel):
+    color: Literal["red", "green"]
+    size: int = Field(ge=0, le=9)
+    ok: bool
+
+
+async def test_openai_sdk_parse_with_a_pydantic_model(constrained):
+    """The SDK's own path: a pydantic model -> strict json_schema -> `.parsed`."""
+    async with make_client(constrained) as http_client:
+        sdk = openai.AsyncOpenAI(
+            base_url="http://tandem.test/v1", api_key="unused", http_client=http_client
+        )
+        result = await sdk.chat.completions.parse(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "a ball"}],
+            response_format=Ball,
+            max_tokens=64,
+            temperature=0,
+        )
+        ball = result.choices[0].message.parsed
+        assert isinstance(ball, Ball) and ball.color in ("red", "green") and 0 <= ball.size <= 9
+
+
+async def test_responses_text_format_json_schema(constrained):
+    async with make_client(constrained) as client:
+        response = await client.post(
+            "/v1/responses",
+            json={
+                "model": MODEL_NAME,
+                "input": "A ball, as JSON",
+                "max_output_tokens": 64,
+                "temperature": 0,
+                "text": {"format": {"type": "json_schema", "name": "ball", "schema": SCHEMA}},
+            },
+        )
+    assert response.status_code == 200
+    body = response.json()
+    text = body["output"][-1]["content"][0]["text"]
+    assert matches_schema(json.loads(text)), text
+    assert body["text"]["format"]["type"] == "json_schema"
+
+
+async def test_anthropic_output_config_format(constrained):
+    async with make_client(constrained) as client:
+        for stream in (False, True):
+            response = await client.post(
+                "/v1/messages",
+                json={
+                    "model": MODEL_NAME,
+                    "max_tokens": 64,
+                    "temperature": 0,
+                    "stream": stream,
+                    "messages": [{"role": "user", "content": "A ball, as JSON"}],
+                    "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}},
+                },
+            )
+            assert response.status_code == 200
+            if stream:
+                text = "".join(
+                    json.loads(line[6:])["delta"].get("text", "")
+                    for line in response.text.splitlines()
+                    if line.startswith("data: ") and '"content_block_delta"' in line
+                )
+            else:
+                body = response.json()
+                assert body["stop_reason"] == "end_turn"
+                text = body["content"][0]["text"]
+            assert matches_schema(json.loads(text)), text
+
+
+@pytest.mark.parametrize(
+    ("fmt", "param"),
+    [
+        ({"type": "yaml"}, "response_format"),
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        ({"type": "json_schema", "json_schema": {"schema": []}}, "response_format.json_schema"),
+        ({"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}, None),
+        ("json", "response_format"),
+    ],
+)
+async def test_bad_response_format_is_a_400_naming_it(constrained, fmt, param):
+    async with make_client(constrained) as client:
+        response = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": fmt,
+            },
+        )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"].startswith(param or "response_format")
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Oslo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def valid_weather(arguments: dict) -> bool:
+    return arguments["city"] in ("Paris", "Oslo") and 1 <= arguments["days"] <= 7
+
+
+@pytest.mark.parametrize(
+    ("choice", "names"),
+    [
+        ("required", {"get_weather", "get_time"}),
+        ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"}),
+    ],
+)
+async def test_chat_tool_choice_forces_a_valid_call(constrained, choice, names):
+    async with make_client(constrained) as client:
+        response = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                "max_tokens": 64,
+                "temperature": 0,
+                "tools": [WEATHER, TIME],
+                "tool_choice": choice,
+            },
+        )
+    choice_out = response.json()["choices"][0]
+    assert choice_out["finish_reason"] == "tool_calls", choice_out
+    [call] = choice_out["message"]["tool_calls"]
+    assert call["function"]["name"] in names
+    arguments = json.loads(call["function"]["arguments"])
+    if call["function"]["name"] == "get_weather":
+        assert valid_weather(arguments)
+    else:
+        assert arguments["zone"] in ("UTC", "CET")
+
+
+async def test_anthropic_tool_choice_tool_forces_a_tool_use_block(constrained):
+    tool = WEATHER["function"]
+    async with make_client(constrained) as client:
+        response = await client.post(
+            "/v1/messages",
+            json={
+                "model": MODEL_NAME,
+                "max_tokens": 64,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": "Weather?"}],
+                "tools": [
+                    {"name": tool["name"], "input_schema": tool["parameters"]},
+                    {"name": "get_time", "input_schema": TIME["function"]["parameters"]},
+                ],
+                "tool_choice": {"type": "tool", "name": "get_weather"},
+            },
+        )
+    body = response.json()
+    assert body["stop_reason"] == "tool_use", body
+    [block] = [b for b in body["content"] if b["type"] == "tool_use"]
+    assert block["name"] == "get_weather" and valid_weather(block["input"])
+
+
+async def test_responses_tool_choice_required_forces_a_function_call(constrained):
+    flat = {"type": "function", **WEATHER["function"]}
+    async with make_client(constrained) as client:
+        response = await client.post(
+            "/v1/responses",
+            json={
+                "model": MODEL_NAME,
+                "input": "Weather?",
+                "max_output_tokens": 64,
+                "temperature": 0,
+                "tools": [flat],
+                "tool_choice": "required",
+            },
+        )
+    calls = [item for item in response.json()["output"] if item["type"] == "function_call"]
+    assert len(calls) == 1 and calls[0]["name"] == "get_weather"
+    assert valid_weather(json.loads(calls[0]["arguments"]))
+
+
+async def test_forcing_a_tool_needs_a_json_in_tags_tool_format(constrained):
+    async with make_client(constrained, tool_call_parser="mistral") as client:
+        response = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": "Weather?"}],
+                "tools": [WEATHER],
+                "tool_choice": "required",
+            },
+        )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "tool_choice"
+    assert "json_tools" in response.json()["error"]["message"]

@@ -133,6 +133,7 @@ class GrammarProcessor:
         self.eos_ids = eos_ids
         self.free_until = free_until
         self.consumed: list[int] = []  # what the matcher has consumed, in order
+        self.failure: str | None = None  # set if the matcher broke; Sequence.commit raises it
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
@@ -141,7 +142,11 @@ class GrammarProcessor:
             if self.free_until not in generated:
                 return logits  # still reasoning: unconstrained
             generated = generated[generated.index(self.free_until) + 1 :]
-        allowed = self._allowed_after(generated)
+        try:
+            allowed = self._allowed_after(generated)
+        except Exception as exc:  # noqa: BLE001 - fail this request, not the batch's forward
+            self.failure = f"constrained decoding failed: {exc}"
+            allowed = self._only_eos()
         vocab = logits.shape[-1]
         if allowed.size < vocab:
             allowed = np.concatenate([allowed, np.zeros(vocab - allowed.size, dtype=bool)])

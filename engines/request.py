@@ -64,3 +64,4 @@ class GenerationRequest:
     surface: str = ""  # which API asked (for logs and metrics only)
     logprobs: int | None = None  # report each token's logprob and this many alternatives
     constraint: Constraint | None = None  # output must match this grammar
+    prompt_logprobs: int | None = None  # score the prompt too, with this many alternatives

@@ -71,6 +71,12 @@ class Sequence:
         assert not self.finished, "commit after finish"
         if self.inject_fault and len(self.generated) >= 3:
             raise RuntimeError(f"injected fault in request {self.request_id}")
+        for processor in self.processors:
+            # A processor that broke (see GrammarProcessor) fails only its request,
+            # here, rather than raising inside a forward that serves a whole batch.
+            failure = getattr(processor, "failure", None)
+            if failure:
+                raise RuntimeError(failure)
         self.generated.append(token)
         if token in self.eos_token_ids and not self.request.ignore_eos:
             return self._finish(FinishReason.STOP)

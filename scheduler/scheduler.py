@@ -27,6 +27,7 @@ from engines.batched import BatchedEngine
 from engines.constraints import GrammarCompiler
 from engines.errors import ContextTooLong, InvalidRequest, QueueFull, ServerNotReady
 from engines.prefix_cache import PrefixCache
+from engines.prompt_scoring import score_prompt
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest
 from engines.sequence import FinishReason, Sequence, StepOutput, make_sequence
@@ -75,6 +76,7 @@ class _Tracked:
     completion_tokens: int = 0
     cached_tokens: int = 0
     modes: list[str] = field(default_factory=list)
+    prompt_logprobs: list | None = None  # scored prompt, until the first event carries it
 
 
 @dataclass
@@ -186,8 +188,8 @@ class Scheduler:
         info = self.model_info
         if not request.prompt_tokens:
             raise InvalidRequest("the prompt is empty")
-        if request.max_tokens < 1:
-            raise InvalidRequest("max_tokens must be at least 1")
+        if request.max_tokens < (0 if request.prompt_logprobs is not None else 1):
+            raise InvalidRequest("max_tokens must be at least 1 (0 only to score the prompt)")
         context = info.context_length if info else None
         if context is not None and len(request.prompt_tokens) + request.max_tokens > context:
             raise ContextTooLong(
@@ -411,10 +413,18 @@ class Scheduler:
                 extra.append(grammar.processor(tracked.request.constraint, len(prompt)))
             tracked.seq = make_sequence(tracked.request, self.registry.tokenizer, extra)
             tracked.seq.inject_fault = self._matches_fault_marker(prompt)
-            cache, cached = self._prefix.lookup(prompt) if self._prefix else (None, 0)
-            if cache is None:
-                cache, cached = make_prompt_cache(self.registry.target.model), 0
-            tracked.cached_tokens = cached
+            if tracked.request.prompt_logprobs is not None:
+                top = tracked.request.prompt_logprobs
+                cache, tracked.prompt_logprobs = score_prompt(engine.model, prompt, top)
+                cached = len(prompt) - 1
+                if tracked.request.max_tokens == 0:  # scoring only
+                    self._finish(tracked, FinishReason.LENGTH)
+                    return
+            else:
+                cache, cached = self._prefix.lookup(prompt) if self._prefix else (None, 0)
+                if cache is None:
+                    cache, cached = make_prompt_cache(self.registry.target.model), 0
+                tracked.cached_tokens = cached
             engine.admit(SequenceState(tracked.seq, cache, cached))
             tracked.modes.append(self._mode.value)
         except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
@@ -569,7 +579,9 @@ class Scheduler:
         self._deliver(tracked, event)
 
     def _event(self, tracked: _Tracked, token_ids: list[int], text: str, **kw: Any) -> TokenEvent:
+        scored, tracked.prompt_logprobs = tracked.prompt_logprobs, None
         return TokenEvent(
+            prompt_logprobs=scored,
             request_id=tracked.request.request_id,
             token_ids=token_ids,
             text=text,

@@ -32,6 +32,7 @@ class TokenEvent:
     error: str | None = None
     error_kind: str | None = None  # failed | aborted | timeout
     logprobs: list | None = None  # engines.logprobs.TokenLogprob per token, when asked
+    prompt_logprobs: list | None = None  # prompt[1:] scored, on the request's first event
     speculation: dict | None = None  # per-request drafted/accepted stats, on the final event
     timings: dict[str, float] = field(default_factory=dict)
 

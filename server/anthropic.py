@@ -52,7 +52,7 @@ from server.http import (
 )
 from server.output_parser import OutputParser, ParsedDelta, ToolCall
 from server.prompts import RenderedChat, encode_text, render_chat
-from server.structured import anthropic_output_format, constraint_for, forced_tool_constraint
+from server.structured import anthropic_output_format, output_constraint
 
 TEXT_JOIN = "\n"  # between consecutive text blocks of one turn, as vLLM joins text parts
 
@@ -415,22 +415,15 @@ def to_job(request: Request, body: MessagesRequest, model: str) -> MessageJob:
     fmt = (body.output_config.format if body.output_config else None) or body.output_format
     schema = anthropic_output_format(fmt)
     markers = output_markers(request)
-    forced, forced_name = forced_tool(body)
-    if forced and schema is not None:
-        raise bad_request("output_config.format cannot apply to a forced tool call", "tool_choice")
-    if forced:
-        constraint = forced_tool_constraint(
-            tools, forced_name, markers, info.grammar, info.tokenizer, rendered.starts_in_reasoning
-        )
-    else:
-        constraint = constraint_for(
-            schema,
-            markers,
-            info.grammar,
-            info.tokenizer,
-            rendered.starts_in_reasoning,
-            "output_config.format",
-        )
+    constraint = output_constraint(
+        schema,
+        "output_config.format",
+        forced_tool(body),
+        tools,
+        markers,
+        info,
+        rendered.starts_in_reasoning,
+    )
     gen = replace(gen, constraint=constraint)
     return MessageJob(gen, model, tools, rendered.starts_in_reasoning)
 

@@ -37,9 +37,8 @@ from server.schemas import ChatCompletionRequest, ChatMessage
 from server.sse import DONE, sse_data
 from server.structured import (
     chat_response_format,
-    constraint_for,
-    forced_tool_constraint,
     openai_tool_choice,
+    output_constraint,
 )
 from server.usage import finish_reason_name, usage
 
@@ -93,7 +92,7 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict]:
 def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob:
     config = config_of(request)
     info = model_info_of(request)
-    forced, forced_name = openai_tool_choice(body.tool_choice)
+    forced = openai_tool_choice(body.tool_choice)
     schema = chat_response_format(body.response_format)
     tools = (
         [t.model_dump(exclude_none=True) for t in body.tools]
@@ -121,21 +120,9 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
         "chat",
         logprobs=logprobs,
     )
-    if forced and schema is not None:
-        raise bad_request("response_format cannot apply to a forced tool call", "tool_choice")
-    if forced:
-        constraint = forced_tool_constraint(
-            tools, forced_name, markers, info.grammar, info.tokenizer, rendered.starts_in_reasoning
-        )
-    else:
-        constraint = constraint_for(
-            schema,
-            markers,
-            info.grammar,
-            info.tokenizer,
-            rendered.starts_in_reasoning,
-            "response_format",
-        )
+    constraint = output_constraint(
+        schema, "response_format", forced, tools, markers, info, rendered.starts_in_reasoning
+    )
     gen = replace(gen, constraint=constraint)
     return ChatJob(gen, model, tools, rendered.starts_in_reasoning, info.tokenizer)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -24,7 +24,7 @@ from server.http import (
     parse_body,
     scheduler_of,
 )
-from server.logprobs_format import completion_logprobs, merge
+from server.logprobs_format import completion_logprobs, join_logprobs, merge, prompt_logprobs
 from server.prompts import completion_prompt_ids, fim_prompt_ids
 from server.schemas import CompletionRequest
 from server.sse import DONE, sse_data
@@ -32,8 +32,10 @@ from server.usage import finish_reason_name, usage
 
 
 def refuse_unsupported(body: CompletionRequest) -> None:
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo together with logprobs (prompt logprobs) is not supported", "echo")
+    if body.max_tokens == 0 and not (body.echo and body.logprobs is not None):
+        raise bad_request(
+            "max_tokens 0 only scores the prompt: it needs echo and logprobs", "max_tokens"
+        )
     if body.echo and body.suffix:
         raise bad_request("echo cannot be combined with suffix", "echo")
     if body.best_of not in (None, 1):
@@ -73,6 +75,8 @@ def to_job(request: Request, body: CompletionRequest, model: str) -> CompletionJ
         "completions",
         logprobs=body.logprobs,
     )
+    if body.echo and body.logprobs is not None:  # prompt logprobs, as eval harnesses ask
+        gen = replace(gen, prompt_logprobs=body.logprobs)
     echo = echo_text(tokenizer, body.prompt) if body.echo else ""
     return CompletionJob(gen, model, echo, tokenizer)
 
@@ -87,11 +91,21 @@ def echo_text(tokenizer: Any, prompt: str | list) -> str:
     return tokenizer.decode(list(prompt))
 
 
+def echoed_logprobs(job: CompletionJob, event: TokenEvent) -> tuple[dict, int]:
+    """The prompt's part of an echoed `logprobs` object, and the text offset after it."""
+    return prompt_logprobs(job.tokenizer, job.gen.prompt_tokens, event.prompt_logprobs or [])
+
+
 def completion_json(job: CompletionJob, events: list[TokenEvent]) -> dict:
     last = events[-1]
     logprobs = None
     if job.gen.logprobs is not None:
-        logprobs, _ = completion_logprobs(job.tokenizer, merge(events), 0)
+        offset = 0
+        if job.gen.prompt_logprobs is not None:
+            prompt_part, offset = echoed_logprobs(job, events[0])
+        logprobs, _ = completion_logprobs(job.tokenizer, merge(events), offset)
+        if job.gen.prompt_logprobs is not None:
+            logprobs = join_logprobs(prompt_part, logprobs)
     return {
         "id": job.gen.request_id,
         "object": "text_completion",
@@ -138,11 +152,15 @@ async def completion_chunks(
             "choices": [choice],
         }
 
-    if job.echo_text:
-        yield sse_data(chunk(job.echo_text, None))
-    last, offset = None, 0
+    last, offset, echoed = None, 0, not job.echo_text
     try:
         async for event in events:
+            if not echoed:  # the prompt goes first, scored when asked
+                echo_logprobs = None
+                if job.gen.prompt_logprobs is not None:
+                    echo_logprobs, offset = echoed_logprobs(job, event)
+                yield sse_data(chunk(job.echo_text, None, echo_logprobs))
+                echoed = True
             last = event
             logprobs = None
             if job.gen.logprobs is not None and event.logprobs:

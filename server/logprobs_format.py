@@ -37,6 +37,23 @@ def completion_logprobs(
     return body, text_offset
 
 
+def prompt_logprobs(
+    tokenizer: Any, prompt: tuple[int, ...], scored: list[TokenLogprob]
+) -> tuple[dict, int]:
+    """The echoed prompt's `logprobs` object: its first token has no score (null)."""
+    if not prompt:
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, 0
+    first = token_text(tokenizer, prompt[0])
+    rest, offset = completion_logprobs(tokenizer, scored, len(first))
+    head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+    return join_logprobs(head, rest), offset
+
+
+def join_logprobs(first: dict, second: dict) -> dict:
+    """Two legacy `logprobs` objects, one after the other."""
+    return {key: [*first[key], *second[key]] for key in first}
+
+
 def chat_logprobs(tokenizer: Any, entries: list[TokenLogprob]) -> list[dict]:
     """The `logprobs.content` list of a chat choice."""
 

@@ -56,9 +56,8 @@ from server.responses_schemas import (
 )
 from server.responses_store import ResponseStore, StoredResponse
 from server.structured import (
-    constraint_for,
-    forced_tool_constraint,
     openai_tool_choice,
+    output_constraint,
     responses_text_format,
 )
 
@@ -414,7 +413,7 @@ def response_object(
 
 def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob:
     refuse_unsupported(body)
-    forced, forced_name = openai_tool_choice(body.tool_choice)
+    forced = openai_tool_choice(body.tool_choice)
     schema = responses_text_format(body.text.format if body.text else None)
     config, info = config_of(request), model_info_of(request)
     conversation = previous_conversation(store_of(request), body.previous_response_id)
@@ -436,21 +435,9 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
     gen = build_request(
         new_item_id("resp"), body, rendered.ids, max_tokens, len(info.tokenizer), "responses"
     )
-    if forced and schema is not None:
-        raise bad_request("text.format cannot apply to a forced tool call", "tool_choice")
-    if forced:
-        constraint = forced_tool_constraint(
-            tools, forced_name, markers, info.grammar, info.tokenizer, rendered.starts_in_reasoning
-        )
-    else:
-        constraint = constraint_for(
-            schema,
-            markers,
-            info.grammar,
-            info.tokenizer,
-            rendered.starts_in_reasoning,
-            "text.format",
-        )
+    constraint = output_constraint(
+        schema, "text.format", forced, tools, markers, info, rendered.starts_in_reasoning
+    )
     gen = replace(gen, constraint=constraint)
     return ResponsesJob(gen, model, body, conversation, tools, rendered.starts_in_reasoning)
 

@@ -48,7 +48,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
-    max_tokens: Annotated[int, Field(strict=True, ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(strict=True, ge=0)] | None = 16  # 0: score the prompt
     echo: StrictBool = False
     logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
     suffix: str | None = None

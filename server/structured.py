@@ -20,47 +20,39 @@ JSON_TOOLS = "mlx_lm.tool_parsers.json_tools"
 
 
 def chat_response_format(fmt: Any) -> dict | None:
-    """The JSON schema a chat `response_format` asks for; None for plain text."""
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict):
-        raise bad_request("response_format must be an object", "response_format")
-    kind = fmt.get("type")
-    if kind in (None, "text"):
-        return None
-    if kind == "json_object":
-        return ANY_OBJECT
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict):
-            raise bad_request(
-                "response_format.json_schema must be an object with a 'schema'",
-                "response_format.json_schema",
-            )
-        return _schema_of(spec, "response_format.json_schema.schema")
-    raise bad_request(
-        f"response_format type must be 'text', 'json_object' or 'json_schema', not {kind!r}",
-        "response_format",
-    )
+    """The JSON schema a chat `response_format` asks for; None for plain text. The
+    schema sits under `json_schema`: {"type": "json_schema", "json_schema": {"schema"}}."""
+    return _openai_format(fmt, "response_format", nested=True)
 
 
 def responses_text_format(fmt: Any) -> dict | None:
-    """The JSON schema a Responses `text.format` asks for; None for plain text."""
+    """The JSON schema a Responses `text.format` asks for; None for plain text. The
+    schema sits beside the type: {"type": "json_schema", "name", "schema"}."""
+    return _openai_format(fmt, "text.format", nested=False)
+
+
+def _openai_format(fmt: Any, param: str, nested: bool) -> dict | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
-        raise bad_request("text.format must be an object", "text.format")
+        raise bad_request(f"{param} must be an object", param)
     kind = fmt.get("type")
     if kind in (None, "text"):
         return None
     if kind == "json_object":
         return ANY_OBJECT
-    if kind == "json_schema":
-        return _schema_of(fmt, "text.format.schema")
-    raise bad_request(
-        f"text.format type must be 'text', 'json_object' or 'json_schema', not {kind!r}",
-        "text.format",
-    )
+    if kind != "json_schema":
+        raise bad_request(
+            f"{param} type must be 'text', 'json_object' or 'json_schema', not {kind!r}", param
+        )
+    if not nested:
+        return _schema_of(fmt, f"{param}.schema")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request(
+            f"{param}.json_schema must be an object with a 'schema'", f"{param}.json_schema"
+        )
+    return _schema_of(spec, f"{param}.json_schema.schema")
 
 
 def anthropic_output_format(fmt: Any) -> dict | None:
@@ -98,6 +90,29 @@ def openai_tool_choice(choice: Any) -> tuple[bool, str | None]:
             return True, name
     raise bad_request(
         "tool_choice must be 'auto', 'none', 'required' or a function by name", "tool_choice"
+    )
+
+
+def output_constraint(
+    schema: dict | None,
+    schema_param: str,
+    forced: tuple[bool, str | None],
+    tools: list[dict] | None,
+    markers,
+    info,
+    starts_in_reasoning: bool,
+) -> Constraint | None:
+    """What the output must match: a forced tool call, a JSON schema, or nothing.
+    `forced` is (forced, tool name) from the surface's tool_choice."""
+    forcing, name = forced
+    if forcing and schema is not None:
+        raise bad_request(f"{schema_param} cannot apply to a forced tool call", "tool_choice")
+    if forcing:
+        return forced_tool_constraint(
+            tools, name, markers, info.grammar, info.tokenizer, starts_in_reasoning
+        )
+    return constraint_for(
+        schema, markers, info.grammar, info.tokenizer, starts_in_reasoning, schema_param
     )
 
 

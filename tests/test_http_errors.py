@@ -26,7 +26,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": [999999]}, 400, "prompt"),
     (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
-    (COMPLETIONS, {"prompt": "hi", "echo": True, "logprobs": 2}, 400, "echo"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     (COMPLETIONS, {"prompt": [1, 2], "suffix": "x"}, 400, "prompt"),
     (CHAT, {"messages": []}, 400, "messages"),

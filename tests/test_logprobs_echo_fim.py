@@ -214,3 +214,124 @@ async def test_suffix_without_fim_tokens_is_a_clear_400(tiny_model_dir, tmp_path
         assert "fill-in-the-middle" in response.json()["error"]["message"]
     finally:
         scheduler.stop()
+
+
+def reference_prompt_scores(reference, prompt_ids: list[int]) -> mx.array:
+    """Raw log-probabilities of the whole prompt from one plain forward: row i scores
+    the token after prompt[i]."""
+    logits = reference.model(mx.array(prompt_ids)[None])[0].astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def assert_prompt_logprobs_match(logprobs: dict, reference, prompt_ids: list[int], top: int):
+    rows = reference_prompt_scores(reference, prompt_ids)
+    n = len(prompt_ids)
+    tokenizer = reference.tokenizer
+    assert logprobs["tokens"][:n] == [token_text(tokenizer, t) for t in prompt_ids]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    for i in range(1, n):
+        row = rows[i - 1]
+        assert logprobs["token_logprobs"][i] == pytest.approx(row[prompt_ids[i]].item(), abs=1e-4)
+        top_ids = mx.argsort(-row)[:top].tolist()
+        got = logprobs["top_logprobs"][i]
+        assert list(got) == [token_text(tokenizer, t) for t in top_ids]
+    texts = logprobs["tokens"]
+    assert logprobs["text_offset"] == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+
+
+async def test_echo_with_logprobs_scores_the_prompt_then_continues_exactly(scheduler, reference):
+    """What evaluation harnesses send: echo + logprobs. The prompt's scores come from the
+    prefill that also serves the completion, which still equals plain greedy decoding."""
+    prompt_ids = reference.tokenizer.encode(PROMPT)
+    async with make_client(scheduler) as client:
+        body = (
+            await client.post(
+                "/v1/completions",
+                json={
+                    "prompt": prompt_ids,
+                    "max_tokens": 12,
+                    "temperature": 0,
+                    "echo": True,
+                    "logprobs": 2,
+                    "ignore_eos": True,
+                },
+            )
+        ).json()
+    logprobs = body["choices"][0]["logprobs"]
+    assert_prompt_logprobs_match(logprobs, reference, prompt_ids, 2)
+    generated = [t for t, _ in reference_logprobs(reference, prompt_ids, 12)]
+    n = len(prompt_ids)
+    assert logprobs["tokens"][n:] == [token_text(reference.tokenizer, t) for t in generated]
+    assert body["choices"][0]["text"].startswith(reference.tokenizer.decode(prompt_ids))
+    assert len(logprobs["tokens"]) == n + 12
+
+
+async def test_max_tokens_zero_only_scores_the_prompt(scheduler, reference):
+    prompt_ids = reference.tokenizer.encode("The cat sat on the mat because it was warm")
+    async with make_client(scheduler) as client:
+        response = await client.post(
+            "/v1/completions",
+            json={"prompt": prompt_ids, "max_tokens": 0, "echo": True, "logprobs": 1},
+        )
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert response.json()["usage"]["completion_tokens"] == 0
+    assert len(choice["logprobs"]["tokens"]) == len(prompt_ids)
+    assert_prompt_logprobs_match(choice["logprobs"], reference, prompt_ids, 1)
+
+
+async def test_streamed_prompt_logprobs_equal_non_streamed(scheduler, reference):
+    prompt_ids = reference.tokenizer.encode(PROMPT)
+    payload = {
+        "prompt": prompt_ids,
+        "max_tokens": 6,
+        "temperature": 0,
+        "echo": True,
+        "logprobs": 1,
+        "ignore_eos": True,
+    }
+    async with make_client(scheduler) as client:
+        whole = (await client.post("/v1/completions", json=payload)).json()
+        streamed = await client.post("/v1/completions", json={**payload, "stream": True})
+    chunks = [
+        json.loads(line[6:])["choices"][0]
+        for line in streamed.text.splitlines()
+        if line.startswith("data: {") and '"choices":[{' in line.replace(" ", "")
+    ]
+    joined: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        for key in joined:
+            joined[key] += (chunk["logprobs"] or {}).get(key, [])
+    expected = whole["choices"][0]["logprobs"]
+    assert joined["tokens"] == expected["tokens"]
+    assert joined["text_offset"] == expected["text_offset"]
+    assert joined["token_logprobs"] == pytest.approx(expected["token_logprobs"], abs=1e-5)
+    assert "".join(c["text"] for c in chunks) == whole["choices"][0]["text"]
+
+
+async def test_concurrent_prompt_scoring_in_the_batched_engine(self_draft, reference):
+    prompts = [reference.tokenizer.encode(t) for t in (PROMPT, "Numbers: 1 2 3 4", "Hi there")]
+    async with make_client(self_draft) as client:
+        bodies = await asyncio.gather(
+            *(
+                client.post(
+                    "/v1/completions",
+                    json={
+                        "prompt": p,
+                        "max_tokens": 10,
+                        "temperature": 0,
+                        "echo": True,
+                        "logprobs": 1,
+                        "ignore_eos": True,
+                    },
+                )
+                for p in prompts
+            )
+        )
+    assert self_draft.batched_engine is not None
+    for prompt_ids, response in zip(prompts, bodies, strict=True):
+        logprobs = response.json()["choices"][0]["logprobs"]
+        assert_prompt_logprobs_match(logprobs, reference, prompt_ids, 1)
+        generated = [t for t, _ in reference_logprobs(reference, prompt_ids, 10)]
+        tail = logprobs["tokens"][len(prompt_ids) :]
+        assert tail == [token_text(reference.tokenizer, t) for t in generated]

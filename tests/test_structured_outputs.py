@@ -9,11 +9,13 @@ import asyncio
 import json
 from typing import Literal
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
 from engines.constraints import GrammarCompiler
+from engines.errors import RequestFailed
 from engines.request import GenerationRequest, SamplingParams
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
 
@@ -75,6 +77,12 @@ def json_request(scheduler, rid: str, prompt: list[int], **sampling) -> Generati
         SamplingParams(**({"temperature": 0.0} | sampling)),
         constraint=constraint,
     )
+
+
+async def post(scheduler, path: str, **body) -> httpx.Response:
+    """One greedy request to the real ASGI app."""
+    async with make_client(scheduler) as client:
+        return await client.post(path, json={"model": MODEL_NAME, "temperature": 0, **body})
 
 
 async def tokens_of(stream) -> list[int]:
@@ -142,17 +150,13 @@ async def test_chat_response_format_json_schema_over_http(constrained):
 
 
 async def test_chat_json_object_gives_a_json_object(constrained):
-    async with make_client(constrained) as client:
-        response = await client.post(
-            "/v1/chat/completions",
-            json={
-                "model": MODEL_NAME,
-                "messages": [{"role": "user", "content": "anything"}],
-                "max_tokens": 200,
-                "temperature": 0,
-                "response_format": {"type": "json_object"},
-            },
-        )
+    response = await post(
+        constrained,
+        "/v1/chat/completions",
+        messages=[{"role": "user", "content": "anything"}],
+        max_tokens=200,
+        response_format={"type": "json_object"},
+    )
     choice = response.json()["choices"][0]
     if choice["finish_reason"] == "stop":  # a random model may still be mid-object at 200
         assert isinstance(json.loads(choice["message"]["content"]), dict)
@@ -184,17 +188,13 @@ async def test_openai_sdk_parse_with_a_pydantic_model(constrained):
 
 
 async def test_responses_text_format_json_schema(constrained):
-    async with make_client(constrained) as client:
-        response = await client.post(
-            "/v1/responses",
-            json={
-                "model": MODEL_NAME,
-                "input": "A ball, as JSON",
-                "max_output_tokens": 64,
-                "temperature": 0,
-                "text": {"format": {"type": "json_schema", "name": "ball", "schema": SCHEMA}},
-            },
-        )
+    response = await post(
+        constrained,
+        "/v1/responses",
+        input="A ball, as JSON",
+        max_output_tokens=64,
+        text={"format": {"type": "json_schema", "name": "ball", "schema": SCHEMA}},
+    )
     assert response.status_code == 200
     body = response.json()
     text = body["output"][-1]["content"][0]["text"]
@@ -241,15 +241,12 @@ async def test_anthropic_output_config_format(constrained):
     ],
 )
 async def test_bad_response_format_is_a_400_naming_it(constrained, fmt, param):
-    async with make_client(constrained) as client:
-        response = await client.post(
-            "/v1/chat/completions",
-            json={
-                "model": MODEL_NAME,
-                "messages": [{"role": "user", "content": "hi"}],
-                "response_format": fmt,
-            },
-        )
+    response = await post(
+        constrained,
+        "/v1/chat/completions",
+        messages=[{"role": "user", "content": "hi"}],
+        response_format=fmt,
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
@@ -298,18 +295,14 @@ def valid_weather(arguments: dict) -> bool:
     ],
 )
 async def test_chat_tool_choice_forces_a_valid_call(constrained, choice, names):
-    async with make_client(constrained) as client:
-        response = await client.post(
-            "/v1/chat/completions",
-            json={
-                "model": MODEL_NAME,
-                "messages": [{"role": "user", "content": "Weather in Paris?"}],
-                "max_tokens": 64,
-                "temperature": 0,
-                "tools": [WEATHER, TIME],
-                "tool_choice": choice,
-            },
-        )
+    response = await post(
+        constrained,
+        "/v1/chat/completions",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        max_tokens=64,
+        tools=[WEATHER, TIME],
+        tool_choice=choice,
+    )
     choice_out = response.json()["choices"][0]
     assert choice_out["finish_reason"] == "tool_calls", choice_out
     [call] = choice_out["message"]["tool_calls"]
@@ -323,21 +316,17 @@ async def test_chat_tool_choice_forces_a_valid_call(constrained, choice, names):
 
 async def test_anthropic_tool_choice_tool_forces_a_tool_use_block(constrained):
     tool = WEATHER["function"]
-    async with make_client(constrained) as client:
-        response = await client.post(
-            "/v1/messages",
-            json={
-                "model": MODEL_NAME,
-                "max_tokens": 64,
-                "temperature": 0,
-                "messages": [{"role": "user", "content": "Weather?"}],
-                "tools": [
-                    {"name": tool["name"], "input_schema": tool["parameters"]},
-                    {"name": "get_time", "input_schema": TIME["function"]["parameters"]},
-                ],
-                "tool_choice": {"type": "tool", "name": "get_weather"},
-            },
-        )
+    response = await post(
+        constrained,
+        "/v1/messages",
+        max_tokens=64,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[
+            {"name": tool["name"], "input_schema": tool["parameters"]},
+            {"name": "get_time", "input_schema": TIME["function"]["parameters"]},
+        ],
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
     body = response.json()
     assert body["stop_reason"] == "tool_use", body
     [block] = [b for b in body["content"] if b["type"] == "tool_use"]
@@ -346,18 +335,14 @@ async def test_anthropic_tool_choice_tool_forces_a_tool_use_block(constrained):
 
 async def test_responses_tool_choice_required_forces_a_function_call(constrained):
     flat = {"type": "function", **WEATHER["function"]}
-    async with make_client(constrained) as client:
-        response = await client.post(
-            "/v1/responses",
-            json={
-                "model": MODEL_NAME,
-                "input": "Weather?",
-                "max_output_tokens": 64,
-                "temperature": 0,
-                "tools": [flat],
-                "tool_choice": "required",
-            },
-        )
+    response = await post(
+        constrained,
+        "/v1/responses",
+        input="Weather?",
+        max_output_tokens=64,
+        tools=[flat],
+        tool_choice="required",
+    )
     calls = [item for item in response.json()["output"] if item["type"] == "function_call"]
     assert len(calls) == 1 and calls[0]["name"] == "get_weather"
     assert valid_weather(json.loads(calls[0]["arguments"]))
@@ -377,3 +362,41 @@ async def test_forcing_a_tool_needs_a_json_in_tags_tool_format(constrained):
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "tool_choice"
     assert "json_tools" in response.json()["error"]["message"]
+
+
+class BrokenMatcher:
+    """Stands in for an llguidance matcher that raises (API misuse, a bug)."""
+
+    def try_consume_tokens(self, tokens):
+        raise RuntimeError("matcher exploded")
+
+    def rollback(self, n):
+        raise RuntimeError("matcher exploded")
+
+
+async def test_a_broken_constraint_fails_only_its_request(tiny_model_dir, reference):
+    def factory(request: GenerationRequest) -> list:
+        if "BREAK" not in reference.tokenizer.decode(list(request.prompt_tokens)):
+            return []
+        compiler = GrammarCompiler(reference.tokenizer)
+        processor = compiler.processor(compiler.json_schema(SCHEMA), len(request.prompt_tokens))
+        processor.matcher = BrokenMatcher()
+        return [processor]
+
+    scheduler = start_scheduler(tiny_model_dir, logits_processor_factory=factory)
+    try:
+        good = reference.tokenizer.encode("A fine prompt")
+        bad = reference.tokenizer.encode("BREAK this one")
+        greedy = SamplingParams(temperature=0.0)
+        streams = [
+            scheduler.submit(GenerationRequest("good", tuple(good), 30, greedy, ignore_eos=True)),
+            scheduler.submit(GenerationRequest("bad", tuple(bad), 30, greedy, ignore_eos=True)),
+        ]
+        good_result, bad_result = await asyncio.gather(
+            tokens_of(streams[0]), tokens_of(streams[1]), return_exceptions=True
+        )
+        assert scheduler.batched_engine is not None  # they shared batched forwards
+        assert isinstance(bad_result, RequestFailed) and "matcher exploded" in str(bad_result)
+        assert good_result == reference.greedy_tokens(good, 30)
+    finally:
+        scheduler.stop()

@@ -93,7 +93,8 @@ def echo_text(tokenizer: Any, prompt: str | list) -> str:
 
 def echoed_logprobs(job: CompletionJob, event: TokenEvent) -> tuple[dict, int]:
     """The prompt's part of an echoed `logprobs` object, and the text offset after it."""
-    return prompt_logprobs(job.tokenizer, job.gen.prompt_tokens, event.prompt_logprobs or [])
+    scored = event.prompt_logprobs or []
+    return prompt_logprobs(job.tokenizer, job.gen.prompt_tokens, scored, job.echo_text)
 
 
 def completion_json(job: CompletionJob, events: list[TokenEvent]) -> dict:

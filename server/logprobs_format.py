@@ -38,13 +38,17 @@ def completion_logprobs(
 
 
 def prompt_logprobs(
-    tokenizer: Any, prompt: tuple[int, ...], scored: list[TokenLogprob]
+    tokenizer: Any, prompt: tuple[int, ...], scored: list[TokenLogprob], echo_text: str
 ) -> tuple[dict, int]:
-    """The echoed prompt's `logprobs` object: its first token has no score (null)."""
+    """The echoed prompt's `logprobs` object: its first token has no score (null). A
+    first token the echoed text does not show (a BOS added by tokenization) takes no
+    room in `text_offset`, so offsets index the returned text."""
     if not prompt:
         return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, 0
     first = token_text(tokenizer, prompt[0])
-    rest, offset = completion_logprobs(tokenizer, scored, len(first))
+    rest, offset = completion_logprobs(
+        tokenizer, scored, len(first) if echo_text.startswith(first) else 0
+    )
     head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
     return join_logprobs(head, rest), offset
 

@@ -12,6 +12,7 @@ prefix, consume the rest), so verifying k drafts costs k token steps, not a repl
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from typing import Any
 
@@ -23,6 +24,8 @@ import numpy as np
 
 from engines.errors import InvalidRequest
 from engines.request import Constraint
+
+log = logging.getLogger(__name__)
 
 # json.dumps' layout, and no other whitespace: a flexible-whitespace grammar lets a
 # model pad or loop on blanks until max_tokens, leaving the JSON unfinished.
@@ -38,6 +41,18 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
+
+    def warm_in_background(self) -> None:
+        """Build the llguidance tokenizer off the request path, so the first structured
+        request does not stall the event loop for it; a failure shows up then, as a 400."""
+
+        def build() -> None:
+            try:
+                self.ll_tokenizer  # noqa: B018 - built and cached on first access
+            except Exception:  # noqa: BLE001 - reported to the request that needs it
+                log.info("constrained decoding unavailable for this tokenizer", exc_info=True)
+
+        threading.Thread(target=build, name="tandem-grammar-warmup", daemon=True).start()
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:

@@ -293,6 +293,7 @@ class Scheduler:
             has_draft=registry.draft is not None,
             grammar=GrammarCompiler(registry.tokenizer),
         )
+        self.model_info.grammar.warm_in_background()
 
     @property
     def mode(self) -> Mode:

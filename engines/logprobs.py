@@ -27,13 +27,23 @@ FLOOR = -9999.0
 
 def token_logprob(row: mx.array, token: int, top: int) -> TokenLogprob:
     """`row`: normalised log-probabilities over the vocabulary, shape (V,)."""
-    row = mx.nan_to_num(row.astype(mx.float32), nan=FLOOR, neginf=FLOOR, posinf=0.0)
-    row = mx.maximum(row, FLOOR)
-    if top > 0:
-        top_ids = mx.argpartition(-row, kth=top - 1)[:top]
-        top_values = row[top_ids]
-        order = mx.argsort(-top_values)
-        ranked = list(zip(top_ids[order].tolist(), top_values[order].tolist(), strict=True))
-    else:
-        ranked = []
-    return TokenLogprob(token, float(row[token].item()), ranked)
+    return token_logprobs(row[None], [token], top)[0]
+
+
+def token_logprobs(rows: mx.array, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """`rows`: normalised log-probabilities, shape (n, V); row i scores tokens[i]. One
+    evaluation for all rows, each with its `top` most likely alternatives."""
+    rows = mx.nan_to_num(rows.astype(mx.float32), nan=FLOOR, neginf=FLOOR, posinf=0.0)
+    rows = mx.maximum(rows, FLOOR)
+    chosen = mx.take_along_axis(rows, mx.array(tokens)[:, None], axis=-1)[:, 0]
+    if top <= 0:
+        return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen.tolist(), strict=True)]
+    ids = mx.argpartition(-rows, kth=top - 1, axis=-1)[:, :top]
+    values = mx.take_along_axis(rows, ids, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    ids = mx.take_along_axis(ids, order, axis=-1)
+    values = mx.take_along_axis(values, order, axis=-1)
+    return [
+        TokenLogprob(t, lp, list(zip(i, v, strict=True)))
+        for t, lp, i, v in zip(tokens, chosen.tolist(), ids.tolist(), values.tolist(), strict=True)
+    ]

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs
 from engines.drafters import DRAFT, PLD, Draft, DraftModelDrafter, PromptLookupDrafter
 from engines.gates import CostModel, MethodGate, OnlineCosts, prompt_repetition_score, speedup
-from engines.logprobs import token_logprob
+from engines.logprobs import token_logprob, token_logprobs
 from engines.registry import ModelRegistry
 from engines.sampling import filter_logprobs, sample_token
 from engines.sequence import FinishReason, Sequence, StepOutput
@@ -321,10 +321,8 @@ class SpeculativeEngine:
                 break
         output = StepOutput(seq.request_id, committed[: len(text)], "".join(text))
         if seq.request.logprobs is not None:
-            output.logprobs = [
-                token_logprob(logprobs[j], token, seq.request.logprobs)
-                for j, token in enumerate(output.token_ids)
-            ]
+            n = len(output.token_ids)
+            output.logprobs = token_logprobs(logprobs[:n], output.token_ids, seq.request.logprobs)
         return self._finish_step(output)
 
     def _process_rows(self, active: _Active, logits: mx.array, fed: list[int]) -> mx.array:

@@ -14,6 +14,17 @@ from engines.request import GenerationRequest
 
 MARKER = "FORCE:"
 
+# Scripted outputs the API tests share: a tool call, two calls, reasoning, plain text.
+TOOL_CALL = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+)
+TWO_CALLS = (
+    'Checking both.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+    '</tool_call><tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+)
+THINKING = "<think>The user wants a greeting.</think>Hello there!"
+SCRIPTS = {"tool": TOOL_CALL, "two": TWO_CALLS, "think": THINKING, "plain": "Just text."}
+
 
 def forced_tokens_processor(prompt_length: int, script: list[int]):
     def force(tokens: mx.array, logits: mx.array) -> mx.array:

@@ -24,22 +24,13 @@ from server.app import create_app
 from server.config import ServerConfig
 from server.output_parser import ParsedDelta, ToolCall
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
-from tests.forcing import forcing_factory
+from tests.forcing import SCRIPTS, forcing_factory
 
 BASE_URL = "http://tandem.test"
 GREEDY = {"temperature": 0}
 FAULT = "FAIL-HERE"  # the scheduler's test hook: such a prompt fails mid-generation
 SPEC_PROMPT = "def add(a, b):\n    return a + b\n" * 3
 
-TOOL_CALL = (
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
-)
-TWO_CALLS = (
-    'Checking both.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
-    '</tool_call><tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
-)
-THINKING = "<think>The user wants a greeting.</think>Hello there!"
-SCRIPTS = {"tool": TOOL_CALL, "two": TWO_CALLS, "think": THINKING, "plain": "Just text."}
 WEATHER_SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},

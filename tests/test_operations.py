@@ -286,15 +286,21 @@ def wait_for_first_line(sink: list, timeout: float = 20) -> None:
         time.sleep(0.01)
 
 
-def test_sigterm_drains_in_flight_stream_to_done_and_exits_zero(tiny_model_dir):
+def streaming_server(model_dir, *flags: str) -> tuple[ServerProcess, list[str], threading.Thread]:
+    """A `tandem serve` with one long completion stream under way."""
     server = ServerProcess(
-        [str(tiny_model_dir), "--served-model-name", "tiny", "--max-tokens", "2000"],
+        [str(model_dir), "--served-model-name", "tiny", "--max-tokens", "2000", *flags],
         clean_env(),
     )
     server.wait_healthy()
     sink: list[str] = []
     thread = stream_in_thread(server.url, 1990, sink)
     wait_for_first_line(sink)
+    return server, sink, thread
+
+
+def test_sigterm_drains_in_flight_stream_to_done_and_exits_zero(tiny_model_dir):
+    server, sink, thread = streaming_server(tiny_model_dir)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.1)
     refused = completion(server.url)
@@ -309,22 +315,7 @@ def test_sigterm_drains_in_flight_stream_to_done_and_exits_zero(tiny_model_dir):
 
 
 def test_drain_timeout_aborts_with_error_event_and_exits_zero(tiny_model_dir):
-    server = ServerProcess(
-        [
-            str(tiny_model_dir),
-            "--served-model-name",
-            "tiny",
-            "--max-tokens",
-            "2000",
-            "--shutdown-timeout",
-            "0.5",
-        ],
-        clean_env(),
-    )
-    server.wait_healthy()
-    sink: list[str] = []
-    thread = stream_in_thread(server.url, 1990, sink)
-    wait_for_first_line(sink)
+    server, sink, thread = streaming_server(tiny_model_dir, "--shutdown-timeout", "0.5")
     started = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     thread.join(60)
@@ -336,22 +327,7 @@ def test_drain_timeout_aborts_with_error_event_and_exits_zero(tiny_model_dir):
 
 
 def test_second_signal_exits_at_once(tiny_model_dir):
-    server = ServerProcess(
-        [
-            str(tiny_model_dir),
-            "--served-model-name",
-            "tiny",
-            "--max-tokens",
-            "2000",
-            "--shutdown-timeout",
-            "60",
-        ],
-        clean_env(),
-    )
-    server.wait_healthy()
-    sink: list[str] = []
-    thread = stream_in_thread(server.url, 1990, sink)
-    wait_for_first_line(sink)
+    server, sink, thread = streaming_server(tiny_model_dir, "--shutdown-timeout", "60")
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     started = time.monotonic()

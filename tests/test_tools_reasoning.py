@@ -9,17 +9,8 @@ import openai
 import pytest
 
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
-from tests.forcing import forcing_factory
+from tests.forcing import SCRIPTS, THINKING, TOOL_CALL, forcing_factory
 
-TOOL_CALL = (
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
-)
-TWO_CALLS = (
-    'Checking both.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
-    '</tool_call><tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
-)
-THINKING = "<think>The user wants a greeting.</think>Hello there!"
-SCRIPTS = {"tool": TOOL_CALL, "two": TWO_CALLS, "think": THINKING, "plain": "Just text."}
 TOOLS = [
     {
         "type": "function",

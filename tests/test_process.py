@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.single_stream import free_port
 from engines.blas import find_fast_blas
 
 TANDEM = str(Path(sys.executable).parent / "tandem")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess:

@@ -3,6 +3,8 @@ distributed exactly as p, and acceptance happens with probability sum(min(p, q))
 
 from __future__ import annotations
 
+import zlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -12,6 +14,13 @@ from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs
 
 TRIALS = 100_000
 P_VALUE_FLOOR = 1e-3
+
+
+def stable_seed(name: str, salt: int) -> int:
+    """A seed fixed across processes: str hash() is salted per process (PYTHONHASHSEED),
+    which made these chi-square tests draw fresh samples on every run and fail by chance
+    about once in a hundred suites."""
+    return zlib.crc32(name.encode()) % 1000 + salt
 
 
 def normalised(values) -> np.ndarray:
@@ -57,7 +66,7 @@ def assert_distributed_as(samples: np.ndarray, p_row) -> None:
 @pytest.mark.parametrize("k", [1, 3])
 def test_first_committed_token_is_distributed_as_p(case, k):
     p_row, q_row = CASES[case]
-    accepted, first = run_trials(p_row, q_row, k, seed=hash(case) % 1000 + k)
+    accepted, first = run_trials(p_row, q_row, k, seed=stable_seed(case, k))
     assert_distributed_as(first, p_row)
 
 

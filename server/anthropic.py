@@ -46,6 +46,7 @@ from server.http import (
     config_of,
     events_until_done,
     model_info_of,
+    off_the_loop,
     output_markers,
     parse_body,
     scheduler_of,
@@ -431,7 +432,7 @@ def to_job(request: Request, body: MessagesRequest, model: str) -> MessageJob:
 async def create_message(request: Request) -> Response:
     body = await parse_body(request, MessagesRequest)
     model = check_model(config_of(request), body.model)
-    job = to_job(request, body, model)
+    job = await off_the_loop(to_job, request, body, model)
     stream = scheduler_of(request).submit(job.gen)
     parser = OutputParser(output_markers(request), job.tools, job.starts_in_reasoning)
     if body.stream:
@@ -468,7 +469,6 @@ async def count_message_tokens(request: Request) -> JSONResponse:
     """The prompt's token count, rendered exactly as /v1/messages would render it."""
     body = await parse_body(request, CountTokensRequest)
     check_model(config_of(request), body.model)
-    info = model_info_of(request)
-    tools = template_tools(body)
-    rendered = render_prompt(info.tokenizer, body, tools, output_markers(request).think)
+    tokenizer, think = model_info_of(request).tokenizer, output_markers(request).think
+    rendered = await off_the_loop(render_prompt, tokenizer, body, template_tools(body), think)
     return JSONResponse({"input_tokens": len(rendered.ids)})

@@ -26,6 +26,7 @@ from server.http import (
     config_of,
     events_until_done,
     model_info_of,
+    off_the_loop,
     output_markers,
     parse_body,
     scheduler_of,
@@ -183,7 +184,7 @@ def chat_json(job: ChatJob, parser: OutputParser, events: list[TokenEvent]) -> d
 async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     model = check_model(config_of(request), body.model)
-    job = to_job(request, body, model)
+    job = await off_the_loop(to_job, request, body, model)
     stream = scheduler_of(request).submit(job.gen)
     parser = new_parser(request, job)
     if body.stream:

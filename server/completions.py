@@ -21,6 +21,7 @@ from server.http import (
     config_of,
     events_until_done,
     model_info_of,
+    off_the_loop,
     parse_body,
     scheduler_of,
 )
@@ -128,7 +129,7 @@ def completion_json(job: CompletionJob, events: list[TokenEvent]) -> dict:
 async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     model = check_model(config_of(request), body.model)
-    job = to_job(request, body, model)
+    job = await off_the_loop(to_job, request, body, model)
     stream = scheduler_of(request).submit(job.gen)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

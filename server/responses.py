@@ -38,6 +38,7 @@ from server.http import (
     config_of,
     events_until_done,
     model_info_of,
+    off_the_loop,
     output_markers,
     parse_body,
     scheduler_of,
@@ -462,7 +463,7 @@ def framed(payloads: Iterable[dict], numbers: Iterator[int]) -> list[str]:
 async def create_response(request: Request) -> Response:
     body = await parse_body(request, ResponsesRequest)
     model = check_model(config_of(request), body.model)
-    job = to_job(request, body, model)
+    job = await off_the_loop(to_job, request, body, model)
     stream = scheduler_of(request).submit(job.gen)
     parser = OutputParser(output_markers(request), job.tools, job.starts_in_reasoning)
     store = store_of(request)

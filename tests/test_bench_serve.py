@@ -39,7 +39,7 @@ from bench.stats import (
     summarize,
     time_per_output_token,
 )
-from tests.test_process import ServerProcess, free_port
+from tests.test_process import BLAS_PRELOAD, env_without, free_port, running_server
 
 TANDEM = str(Path(sys.executable).parent / "tandem")
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
@@ -192,14 +192,9 @@ def test_non_loopback_url_is_refused_before_any_connection(monkeypatch, tmp_path
 
 @pytest.fixture(scope="module")
 def tandem_url(tiny_model_dir) -> Iterator[str]:
-    # As a user starts it: the server itself decides whether to re-exec with a fast BLAS.
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "TANDEM_BLAS_REEXEC")}
-    server = ServerProcess([str(tiny_model_dir), "--served-model-name", "tiny"], env)
-    try:
-        server.wait_healthy()
+    args = [str(tiny_model_dir), "--served-model-name", "tiny"]
+    with running_server(args, env_without(*BLAS_PRELOAD)) as server:
         yield server.url
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ found to break the server are replayed at the end."""
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 
 import httpx
@@ -29,7 +28,7 @@ from server.app import create_app
 from server.config import ServerConfig
 from server.openapi import ENDPOINTS
 from tests.conftest import MODEL_NAME
-from tests.test_process import ServerProcess
+from tests.test_process import BLAS_PRELOAD, env_without, running_server
 
 CHECKS = [
     not_a_server_error,
@@ -186,14 +185,9 @@ async def test_a_metrics_key_alone_guards_only_the_metrics_route(scheduler):
 @pytest.fixture(scope="module")
 def live_server(tiny_model_dir):
     """`--max-tokens 16` keeps every generated request cheap: asking for more is a 400."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "TANDEM_BLAS_REEXEC")}
     args = [str(tiny_model_dir), "--served-model-name", MODEL_NAME, "--max-tokens", "16"]
-    proc = ServerProcess(args, env)
-    try:
-        proc.wait_healthy()
+    with running_server(args, env_without(*BLAS_PRELOAD)) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

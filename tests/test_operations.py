@@ -4,7 +4,6 @@ disconnects, timeouts, fault isolation, hostile input and graceful drain."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import threading
@@ -13,14 +12,14 @@ import time
 import httpx
 import pytest
 
-from tests.test_process import TANDEM, ServerProcess
+from tests.test_process import TANDEM, ServerProcess, env_without, running_server
 
 PROMPT = "Once upon a time"
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TANDEM_API_KEY"}
-    return {**env, **extra}
+    """No key from the environment unless a test sets one."""
+    return env_without("TANDEM_API_KEY", **extra)
 
 
 def completion(url: str, headers: dict | None = None, **payload) -> httpx.Response:
@@ -41,7 +40,7 @@ def limited(tiny_model_dir, tmp_path_factory):
     """A keyed server with small limits and the fault hook."""
     key_file = tmp_path_factory.mktemp("keys") / "keys"
     key_file.write_text("# keys\nfile-key\n")
-    server = ServerProcess(
+    with running_server(
         [
             str(tiny_model_dir),
             "--served-model-name",
@@ -64,12 +63,8 @@ def limited(tiny_model_dir, tmp_path_factory):
             "20",
         ],
         clean_env(TANDEM_API_KEY="env-key"),
-    )
-    try:
-        server.wait_healthy()
+    ) as server:
         yield server
-    finally:
-        server.stop()
 
 
 AUTH = {"Authorization": "Bearer flag-key"}
@@ -198,20 +193,8 @@ def test_ten_megabyte_body_is_refused_quickly(limited):
 
 
 def test_request_timeout_aborts_cleanly(tiny_model_dir):
-    server = ServerProcess(
-        [
-            str(tiny_model_dir),
-            "--served-model-name",
-            "tiny",
-            "--request-timeout",
-            "0.3",
-            "--max-tokens",
-            "2000",
-        ],
-        clean_env(),
-    )
-    try:
-        server.wait_healthy()
+    args = [str(tiny_model_dir), "--served-model-name", "tiny", "--request-timeout", "0.3"]
+    with running_server([*args, "--max-tokens", "2000"], clean_env()) as server:
         response = completion(server.url, max_tokens=1900, ignore_eos=True)
         assert response.status_code == 504
         assert response.json()["error"]["code"] == "request_timeout"
@@ -226,8 +209,6 @@ def test_request_timeout_aborts_cleanly(tiny_model_dir):
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert "timed out" in lines[-2] and lines[-1] == "data: [DONE]"
         assert completion(server.url, max_tokens=5).status_code == 200
-    finally:
-        server.stop()
 
 
 def test_non_loopback_bind_without_key_is_refused(tiny_model_dir):
@@ -243,18 +224,13 @@ def test_non_loopback_bind_without_key_is_refused(tiny_model_dir):
 
 
 def test_rate_limit_gives_429(tiny_model_dir):
-    server = ServerProcess(
-        [str(tiny_model_dir), "--served-model-name", "tiny", "--rate-limit", "3"], clean_env()
-    )
-    try:
-        server.wait_healthy()
+    args = [str(tiny_model_dir), "--served-model-name", "tiny", "--rate-limit", "3"]
+    with running_server(args, clean_env()) as server:
         codes = [completion(server.url, max_tokens=1).status_code for _ in range(5)]
         assert codes[:3] == [200, 200, 200] and codes[3:] == [429, 429]
         refused = completion(server.url, max_tokens=1)
         assert int(refused.headers["retry-after"]) >= 1
         assert refused.json()["error"]["type"] == "rate_limit_error"
-    finally:
-        server.stop()
 
 
 def stream_in_thread(url: str, max_tokens: int, sink: list) -> threading.Thread:

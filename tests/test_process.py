@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -17,6 +19,14 @@ from bench.single_stream import free_port
 from engines.blas import find_fast_blas
 
 TANDEM = str(Path(sys.executable).parent / "tandem")
+# Without these the server decides for itself whether to re-exec with a fast BLAS,
+# as it does when a user starts it.
+BLAS_PRELOAD = ("LD_PRELOAD", "TANDEM_BLAS_REEXEC")
+
+
+def env_without(*names: str, **extra: str) -> dict[str, str]:
+    """This process's environment less `names`, plus `extra`."""
+    return {**{k: v for k, v in os.environ.items() if k not in names}, **extra}
 
 
 class ServerProcess:
@@ -67,15 +77,22 @@ class ServerProcess:
         self.log_file.close()
 
 
+@contextmanager
+def running_server(args: list[str], env: dict[str, str]) -> Iterator[ServerProcess]:
+    """A healthy `tandem serve ARGS`, stopped when the block ends."""
+    server = ServerProcess(args, env)
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "TANDEM_BLAS_REEXEC")}
-    proc = ServerProcess([str(tiny_model_dir), "--served-model-name", "tiny"], env)
-    try:
-        proc.wait_healthy()
+    args = [str(tiny_model_dir), "--served-model-name", "tiny"]
+    with running_server(args, env_without(*BLAS_PRELOAD)) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def test_startup_log_names_the_blas_in_use(server):
@@ -128,10 +145,7 @@ def test_disconnect_mid_stream_cancels_generation(server):
 
 
 def test_demo_flag_serves_and_warns(tmp_path):
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    proc = ServerProcess(["--demo"], env)
-    try:
-        proc.wait_healthy()
+    with running_server(["--demo"], env_without(XDG_CACHE_HOME=str(tmp_path))) as proc:
         assert "gibberish" in proc.log()
         response = httpx.post(
             f"{proc.url}/v1/chat/completions",
@@ -144,23 +158,11 @@ def test_demo_flag_serves_and_warns(tmp_path):
         )
         assert response.status_code == 200
         assert (tmp_path / "tandem" / "demo-model" / "model.safetensors").exists()
-    finally:
-        proc.stop()
 
 
 def test_speculation_flags_reach_the_engine(tiny_model_dir, tiny_draft_dir):
-    proc = ServerProcess(
-        [str(tiny_model_dir), "--draft-model", str(tiny_draft_dir), "--num-draft-tokens", "3"],
-        dict(os.environ),
-    )
-    try:
-        proc.wait_healthy()
+    draft = [str(tiny_model_dir), "--draft-model", str(tiny_draft_dir), "--num-draft-tokens", "3"]
+    with running_server(draft, dict(os.environ)) as proc:
         proc.wait_for_log(r"speculation: methods=pld\+draft k=3")
-    finally:
-        proc.stop()
-    proc = ServerProcess([str(tiny_model_dir), "--no-pld"], dict(os.environ))
-    try:
-        proc.wait_healthy()
+    with running_server([str(tiny_model_dir), "--no-pld"], dict(os.environ)) as proc:
         proc.wait_for_log(r"speculation: methods=none k=4")
-    finally:
-        proc.stop()

@@ -5,13 +5,12 @@ errors, and memory sampled throughout."""
 from __future__ import annotations
 
 import asyncio
-import os
 from dataclasses import replace
 
 import pytest
 
 from bench import soak
-from tests.test_process import ServerProcess
+from tests.test_process import BLAS_PRELOAD, ServerProcess, env_without, running_server
 
 REPORT_KEYS = {
     "settings",
@@ -28,14 +27,9 @@ REPORT_KEYS = {
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     """Eight batch slots for sixteen clients: half of them wait in the queue."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "TANDEM_BLAS_REEXEC")}
     args = [str(tiny_model_dir), "--served-model-name", "tiny", "--max-num-seqs", "8"]
-    proc = ServerProcess(args, env)
-    try:
-        proc.wait_healthy()
+    with running_server(args, env_without(*BLAS_PRELOAD)) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def run_soak(server: ServerProcess, seconds: float) -> dict:

@@ -26,6 +26,23 @@ THINKING = "<think>The user wants a greeting.</think>Hello there!"
 SCRIPTS = {"tool": TOOL_CALL, "two": TWO_CALLS, "think": THINKING, "plain": "Just text."}
 
 
+def tool_round_trip_messages(question: dict, call_id: str) -> list[dict]:
+    """What the chat template should see after the TOOL_CALL round trip every surface
+    tests: the question, the call with its arguments as an object, the tool's result,
+    and a thanks that asks for plain text."""
+    call = {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}},
+    }
+    return [
+        question,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "Sunny, 21 C", "tool_call_id": call_id},
+        {"role": "user", "content": "Thanks. FORCE:plain"},
+    ]
+
+
 def forced_tokens_processor(prompt_length: int, script: list[int]):
     def force(tokens: mx.array, logits: mx.array) -> mx.array:
         position = len(tokens) - prompt_length

@@ -24,7 +24,7 @@ from server.app import create_app
 from server.config import ServerConfig
 from server.output_parser import ParsedDelta, ToolCall
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
-from tests.forcing import SCRIPTS, forcing_factory
+from tests.forcing import SCRIPTS, forcing_factory, tool_round_trip_messages
 
 BASE_URL = "http://tandem.test"
 GREEDY = {"temperature": 0}
@@ -301,22 +301,7 @@ async def test_tool_result_round_trip_renders_through_the_template(forced, refer
             model=MODEL_NAME, messages=follow_up, tools=TOOLS
         )
     assert blocks(second) == [("text", "Just text.")]
-    chat_messages = [
-        ask("tool")[0],
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}},
-                }
-            ],
-        },
-        {"role": "tool", "content": "Sunny, 21 C", "tool_call_id": call.id},
-        {"role": "user", "content": "Thanks. FORCE:plain"},
-    ]
+    chat_messages = tool_round_trip_messages(ask("tool")[0], call.id)
     ids = rendered_ids(reference, chat_messages, TEMPLATE_TOOLS)
     assert "<tool_response>\nSunny, 21 C\n</tool_response>" in reference.tokenizer.decode(ids)
     assert prompt_tokens(second.usage) == counted.input_tokens == len(ids)

@@ -17,7 +17,7 @@ from server.app import create_app
 from server.config import ServerConfig
 from server.responses import ResponsesRequest, ResponseStore, StoredResponse, normalize_input
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
-from tests.forcing import SCRIPTS, TOOL_CALL, forcing_factory
+from tests.forcing import SCRIPTS, TOOL_CALL, forcing_factory, tool_round_trip_messages
 
 TOOLS = [
     {
@@ -410,25 +410,7 @@ async def test_function_call_output_round_trip(forced, reference):
         )
     prompt = rendered(
         reference,
-        [
-            {"role": "user", "content": ask("tool")},
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [
-                    {
-                        "id": call.call_id,
-                        "type": "function",
-                        "function": {
-                            "name": "get_weather",
-                            "arguments": {"city": "Paris", "days": 2},
-                        },
-                    }
-                ],
-            },
-            {"role": "tool", "content": "Sunny, 21 C", "tool_call_id": call.call_id},
-            {"role": "user", "content": "Thanks. FORCE:plain"},
-        ],
+        tool_round_trip_messages({"role": "user", "content": ask("tool")}, call.call_id),
         CHAT_TOOLS,
     )
     assert "<tool_response>\nSunny, 21 C\n</tool_response>" in prompt

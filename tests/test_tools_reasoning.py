@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
-from tests.forcing import SCRIPTS, THINKING, TOOL_CALL, forcing_factory
+from tests.forcing import SCRIPTS, THINKING, TOOL_CALL, forcing_factory, tool_round_trip_messages
 
 TOOLS = [
     {
@@ -130,25 +130,7 @@ async def test_tool_result_round_trip_renders_through_the_template(forced, refer
         )
     assert second.choices[0].message.content == "Just text."
     rendered = reference.tokenizer.apply_chat_template(
-        [
-            ask("tool")[0],
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [
-                    {
-                        "id": call.id,
-                        "type": "function",
-                        "function": {
-                            "name": "get_weather",
-                            "arguments": {"city": "Paris", "days": 2},
-                        },
-                    }
-                ],
-            },
-            {"role": "tool", "content": "Sunny, 21 C", "tool_call_id": call.id},
-            {"role": "user", "content": "Thanks. FORCE:plain"},
-        ],
+        tool_round_trip_messages(ask("tool")[0], call.id),
         tools=TOOLS,
         add_generation_prompt=True,
         tokenize=False,

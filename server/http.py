@@ -21,9 +21,9 @@ Job = TypeVar("Job")
 
 
 async def off_the_loop(build: Callable[..., Job], *args: object) -> Job:
-    """Run `build` (template rendering, tokenizing, grammar compiling) in a worker
-    thread. Tokenizing costs about 1 ms per thousand prompt tokens, so a long prompt
-    built on the event loop would pause every other client's stream for that long."""
+    """Run request preparation (body decoding, template rendering, tokenizing, grammar
+    compiling) in a worker thread. Tokenizing costs about 1 ms per thousand prompt
+    tokens: on the event loop a long prompt would pause every other client's stream."""
     return await anyio.to_thread.run_sync(build, *args)
 
 
@@ -31,7 +31,7 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
     """The request body as `model`. Decoding runs in a worker thread: a body at the
     4 MB limit takes ~30 ms to decode and validate, a pause for every other stream."""
     raw = await request.body()
-    return await anyio.to_thread.run_sync(decode_body, raw, model)
+    return await off_the_loop(decode_body, raw, model)
 
 
 def decode_body(raw: bytes, model: type[Body]) -> Body:

@@ -5,20 +5,26 @@ stochastic drafter, the probabilities q it sampled them from (None = one-hot).
 
 * `PromptLookupDrafter` (PLD): finds the longest recent n-gram (3..1 tokens) of the
   context that occurred earlier and proposes what followed it. Free to run.
-* `DraftModelDrafter`: a small model with its own KV cache, kept in step with the
-  committed tokens (it prefills only what it has not seen, after trimming what was
-  rejected), sampling from its own processed distribution q.
+* `DraftModelDrafter`: a small model drafting on the sequence's own `DraftState`
+  (its KV cache), kept in step with the committed tokens (it prefills only what it
+  has not seen, after rolling back what was rejected), sampling from its own
+  processed distribution q.
+
+Both keep per-sequence state only in objects that belong to the request (a
+`PromptLookupDrafter` per sequence, a `DraftState` per sequence): one request's
+tokens are never proposed to another.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from engines.request import SamplingParams
+from engines.rollback import trim_exact
 from engines.sampling import RandomStream, filter_logprobs
 
 PLD = "pld"
@@ -92,11 +98,23 @@ class PromptLookupDrafter:
         return out
 
 
-class DraftModelDrafter:
-    """A small model that drafts autoregressively with its own KV cache.
+@dataclass
+class DraftState:
+    """One sequence's draft-model KV cache and the tokens it holds (`fed`).
 
-    Invariant: `self.fed` lists exactly the tokens in `self.cache`. Before drafting,
-    the cache is trimmed to the longest prefix shared with the committed context
+    It lives with the request (in `SequenceState`), so it migrates between engines
+    and is never shared between requests."""
+
+    cache: list | None = None
+    fed: list[int] = field(default_factory=list)
+    caught_up: int = 0  # tokens the last proposal had to feed before drafting
+
+
+class DraftModelDrafter:
+    """A small model that drafts autoregressively, on each sequence's own `DraftState`.
+
+    Invariant: `state.fed` lists exactly the tokens in `state.cache`. Before drafting,
+    the cache is rolled back to the longest prefix shared with the committed context
     and the rest of the context is fed, so it never re-prefills what it has seen.
     """
 
@@ -104,16 +122,10 @@ class DraftModelDrafter:
         self.model = model
         self.vocab_size = vocab_size
         self.prefill_step_size = prefill_step_size
-        self.cache: list | None = None
-        self.fed: list[int] = []
-        self.caught_up = 0  # tokens the last proposal had to feed before drafting
-
-    def reset(self) -> None:
-        self.cache = None
-        self.fed = []
 
     def propose(
         self,
+        state: DraftState,
         context: list[int],
         k: int,
         params: SamplingParams,
@@ -122,51 +134,65 @@ class DraftModelDrafter:
     ) -> Draft | None:
         if k <= 0:
             return None
-        logits = self._catch_up(context)
+        logits = self._catch_up(state, context)
         history = list(context)
         tokens: list[int] = []
         probs = []
         for i in range(k):
-            token, q = self._choose(logits, params, rng, processors, history)
+            token, q = choose_draft_token(logits[None], params, rng, processors, history)
             tokens.append(token)
             history.append(token)
             if q is not None:
-                probs.append(q)
+                probs.append(q[0])
             if i + 1 < k:
-                logits = self._forward([token])
+                logits = self._forward(state, [token])
         return Draft(DRAFT, tokens, mx.stack(probs) if probs else None)
 
-    def _catch_up(self, context: list[int]) -> mx.array:
-        """Trim to the shared prefix (keeping at least one token to feed), feed the rest."""
-        if self.cache is None:
-            self.cache = make_prompt_cache(self.model)
-            self.fed = []
-        shared = 0
-        limit = min(len(self.fed), len(context) - 1)
-        while shared < limit and self.fed[shared] == context[shared]:
-            shared += 1
-        if shared < len(self.fed):
-            trim_prompt_cache(self.cache, len(self.fed) - shared)
-            self.fed = self.fed[:shared]
+    def _catch_up(self, state: DraftState, context: list[int]) -> mx.array:
+        """Roll back to the shared prefix (keeping one token to feed), feed the rest."""
+        if state.cache is None:
+            state.cache = make_prompt_cache(self.model)
+            state.fed = []
+        shared = shared_prefix(state.fed, context)
+        if shared < len(state.fed):
+            trim_exact(state.cache, len(state.fed) - shared)
+            del state.fed[shared:]
         pending = context[shared:]
-        self.caught_up = len(pending)
+        state.caught_up = len(pending)
         while len(pending) > self.prefill_step_size:
-            self._forward(pending[: self.prefill_step_size])
+            self._forward(state, pending[: self.prefill_step_size])
             pending = pending[self.prefill_step_size :]
-        return self._forward(pending)
+        return self._forward(state, pending)
 
-    def _forward(self, tokens: list[int]) -> mx.array:
-        logits = self.model(mx.array(tokens)[None], cache=self.cache)[0, -1, : self.vocab_size]
-        self.fed.extend(tokens)
+    def _forward(self, state: DraftState, tokens: list[int]) -> mx.array:
+        logits = self.model(mx.array(tokens)[None], cache=state.cache)[0, -1, : self.vocab_size]
+        state.fed.extend(tokens)
         return logits.astype(mx.float32)
 
-    def _choose(self, logits, params, rng, processors, history):
-        logits = logits[None]
-        for processor in processors or ():
-            logits = processor(mx.array(history), logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if params.greedy:
-            return int(mx.argmax(logprobs, axis=-1).item()), None
-        q = mx.softmax(filter_logprobs(params, logprobs) * (1.0 / params.temperature), axis=-1)
-        token = mx.random.categorical(mx.log(q), key=rng.next_key())
-        return int(token.item()), q[0]
+
+def shared_prefix(fed: list[int], context: list[int]) -> int:
+    """Length of the common prefix, leaving at least the newest context token unfed."""
+    shared = 0
+    limit = min(len(fed), len(context) - 1)
+    while shared < limit and fed[shared] == context[shared]:
+        shared += 1
+    return shared
+
+
+def choose_draft_token(
+    logits: mx.array,
+    params: SamplingParams,
+    rng: RandomStream,
+    processors: list | None,
+    history: list[int],
+) -> tuple[int, mx.array | None]:
+    """The draft's next token from (1, V) logits after the request's processors:
+    argmax when greedy, else a sample from q (returned, (1, V) float32)."""
+    for processor in processors or ():
+        logits = processor(mx.array(history), logits)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if params.greedy:
+        return int(mx.argmax(logprobs, axis=-1).item()), None
+    q = mx.softmax(filter_logprobs(params, logprobs) * (1.0 / params.temperature), axis=-1)
+    token = mx.random.categorical(mx.log(q), key=rng.next_key())
+    return int(token.item()), q

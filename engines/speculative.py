@@ -20,13 +20,21 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs
-from engines.drafters import DRAFT, PLD, Draft, DraftModelDrafter, PromptLookupDrafter
+from engines.drafters import (
+    DRAFT,
+    PLD,
+    Draft,
+    DraftModelDrafter,
+    DraftState,
+    PromptLookupDrafter,
+)
 from engines.gates import CostModel, MethodGate, OnlineCosts, prompt_repetition_score, speedup
 from engines.logprobs import token_logprob, token_logprobs
 from engines.registry import ModelRegistry
+from engines.rollback import trim_exact
 from engines.sampling import filter_logprobs, sample_token
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.telemetry import SpecStats
@@ -49,12 +57,16 @@ class SequenceState:
     """A request's portable state: what migration between engines carries.
 
     `cache` holds `seq.all_tokens[:cached]`; the remaining tokens (at least the
-    newest) are still to be fed. `seq.rng` carries the sampler's key chain."""
+    newest) are still to be fed. `seq.rng` carries the sampler's key chain. The
+    drafting state is the sequence's own: its gates, its n-gram index and its
+    draft-model cache travel with it and are never shared with another request."""
 
     seq: Sequence
     cache: list
     cached: int
     gates: dict[str, MethodGate] | None = None  # drafting state, kept across a round trip
+    pld: PromptLookupDrafter | None = None
+    draft: DraftState | None = None
 
 
 @dataclass
@@ -64,6 +76,8 @@ class _Active:
     cached: int  # tokens of seq.all_tokens held in the cache
     processors: list
     gates: dict[str, MethodGate] = field(default_factory=dict)
+    pld: PromptLookupDrafter = field(default_factory=PromptLookupDrafter)
+    draft: DraftState = field(default_factory=DraftState)
     in_flight: mx.array | None = None  # a plain token sampled but not committed
     in_flight_logprobs: mx.array | None = None  # the distribution it was sampled from
     history: mx.array | None = None  # tokens in the cache (+ in flight), for penalties
@@ -91,7 +105,6 @@ class SpeculativeEngine:
         # A cost model given explicitly (tests) stays fixed, so gating is repeatable.
         self.costs = OnlineCosts(measured, learn=cost is None)
         self.vocab_size = registry.target.vocab_size
-        self.pld = PromptLookupDrafter(max_ngram=config.pld_max_ngram)
         self.drafter = (
             DraftModelDrafter(
                 draft_model,
@@ -137,9 +150,11 @@ class SpeculativeEngine:
         assert self.active is None, "the speculative engine serves one sequence at a time"
         seq = state.seq
         active = _Active(seq, state.cache, state.cached, seq.processors)
+        active.pld = state.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
+        active.draft = state.draft or DraftState()
         if active.processors:
             active.history = mx.array(active.tokens[: state.cached], dtype=mx.int32)
-        active.gates = state.gates if state.gates is not None else self._initial_gates(seq)
+        active.gates = state.gates if state.gates is not None else self.initial_gates(seq)
         self.active = active
 
     admit = resume
@@ -150,7 +165,10 @@ class SpeculativeEngine:
         active = self.active
         outputs = self._commit_in_flight(pipeline=False) if active.in_flight is not None else []
         self.active = None
-        return SequenceState(active.seq, active.cache, active.cached, active.gates), outputs
+        state = SequenceState(
+            active.seq, active.cache, active.cached, active.gates, active.pld, active.draft
+        )
+        return state, outputs
 
     def cancel(self, request_id: str) -> bool:
         if self.active is None or self.active.seq.request_id != request_id:
@@ -159,7 +177,7 @@ class SpeculativeEngine:
         self._release()
         return True
 
-    def _initial_gates(self, seq: Sequence) -> dict[str, MethodGate]:
+    def initial_gates(self, seq: Sequence) -> dict[str, MethodGate]:
         overrides = seq.request.speculation
         gates = {}
         if self._request_k(seq) == 0:
@@ -196,7 +214,7 @@ class SpeculativeEngine:
             draft = self._propose(active)
             if draft is not None:
                 proposed = time.perf_counter()
-                if draft.method == DRAFT and self.drafter.caught_up <= 2:
+                if draft.method == DRAFT and active.draft.caught_up <= 2:
                     # Only steady proposals: a catch-up prefill (new request, return
                     # from batching) is not what each drafted token costs.
                     self.costs.observe_draft(len(draft.tokens), proposed - started)
@@ -271,7 +289,7 @@ class SpeculativeEngine:
         if k == 0 or (pld_draft is not None and self._prefer_pld(active, pld_draft, k)):
             return pld_draft
         return self.drafter.propose(
-            active.tokens, k, seq.request.sampling, seq.rng, active.processors
+            active.draft, active.tokens, k, seq.request.sampling, seq.rng, active.processors
         )
 
     def _prefer_pld(self, active: _Active, pld_draft: Draft, draft_k: int) -> bool:
@@ -289,7 +307,7 @@ class SpeculativeEngine:
         k = gate.draft_length(k_max, self.cost)
         if k == 0:
             return None
-        draft = self.pld.propose(active.tokens, k)
+        draft = active.pld.propose(active.tokens, k)
         if not gate.open and (draft is None or draft.match_length < self.config.pld_probe_match):
             gate.postpone()  # a probe needs real evidence of repetition
             return None
@@ -308,7 +326,7 @@ class SpeculativeEngine:
             next_token = target[accepted]
         else:
             accepted, next_token = self._accept_sampled(active, logprobs, draft)
-        trim_prompt_cache(active.cache, k - accepted)
+        trim_exact(active.cache, k - accepted)
         active.cached += 1 + accepted
         if active.processors:
             active.history = mx.concat([active.history, mx.array(fed[: 1 + accepted])])
@@ -373,13 +391,16 @@ class SpeculativeEngine:
 
     def _release(self, keep_cache: bool = False) -> None:
         """Drop the active sequence; a finished one leaves its cache in `released`,
-        trimmed to the committed tokens it holds (a stop can end a run early)."""
+        trimmed to the committed tokens it holds (a stop can end a run early). A
+        pipelined token still in flight is not committed, and the cache already holds
+        every committed token (the newest was fed to compute it): that cache is kept
+        as it is."""
         active, self.active = self.active, None
-        if not keep_cache or active.in_flight is not None:
+        if not keep_cache:
             return
         committed = len(active.tokens)
         if active.cached > committed:
-            trim_prompt_cache(active.cache, active.cached - committed)
+            trim_exact(active.cache, active.cached - committed)
             active.cached = committed
         self.released.append(SequenceState(active.seq, active.cache, active.cached))
 

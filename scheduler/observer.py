@@ -95,6 +95,8 @@ class SchedulerObserver(Protocol):
     def on_finished(self, record: RequestRecord) -> None: ...
     def on_mode_switch(self, source: str, target: str, seconds: float) -> None: ...
     def on_batch_step(self, size: int) -> None: ...
+    def on_speculation_step(self, size: int, drafted: list[int]) -> None: ...
+    def on_step_time(self, model_s: float, overhead_s: float) -> None: ...
 
 
 class NullObserver:
@@ -111,4 +113,10 @@ class NullObserver:
         pass
 
     def on_batch_step(self, size: int) -> None:
+        pass
+
+    def on_speculation_step(self, size: int, drafted: list[int]) -> None:
+        pass
+
+    def on_step_time(self, model_s: float, overhead_s: float) -> None:
         pass

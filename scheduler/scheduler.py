@@ -24,12 +24,15 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from engines.batched import BatchedEngine
+from engines.batched_spec import BatchedSpeculativeEngine
 from engines.constraints import GrammarCompiler
 from engines.errors import ContextTooLong, InvalidRequest, QueueFull, ServerNotReady
+from engines.gates import CostModel
 from engines.prefix_cache import PrefixCache
 from engines.prompt_scoring import score_prompt
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest
+from engines.rollback import supports_rollback
 from engines.sequence import FinishReason, Sequence, StepOutput, make_sequence
 from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
 from engines.telemetry import SpecStats
@@ -41,6 +44,9 @@ from scheduler.stream import RequestStream, TokenEvent
 from scheduler.throughput import ThroughputModel, serial_wait_fits
 
 log = logging.getLogger(__name__)
+
+# A model that cannot speculate never measures verify costs.
+_NO_SPECULATION = CostModel.assumed(1)
 
 
 class SchedulerState(str, enum.Enum):
@@ -106,7 +112,8 @@ class Scheduler:
         self._waiting: deque[_Tracked] = deque()
         self._running: dict[str, _Tracked] = {}
         self._spec: SpeculativeEngine | None = None
-        self._batched: BatchedEngine | None = None
+        self._batched: BatchedSpeculativeEngine | BatchedEngine | None = None
+        self.speculation_supported = True  # the model's caches roll back (decided at load)
         self._mode = Mode.SPECULATIVE
         self._policy = ModePolicy(config.batch_threshold, config.batch_return_steps)
         self._prefix = (
@@ -275,14 +282,24 @@ class Scheduler:
         log.info("loading model %s", config.model)
         registry = ModelRegistry.load(config.model, config.draft_model)
         self.registry = registry
+        self.speculation_supported = supports_rollback(registry.target.model) and (
+            registry.draft is None or supports_rollback(registry.draft.model)
+        )
+        if not self.speculation_supported:
+            log.warning(
+                "speculation off: this model's KV caches cannot roll back rejected drafts "
+                "(recurrent or sliding-window layers); every request is served by plain "
+                "continuous batching"
+            )
+            self._policy = ModePolicy(batch_threshold=1, return_steps=config.batch_return_steps)
         self._spec = SpeculativeEngine(
             registry,
             SpecConfig(
-                num_draft_tokens=config.num_draft_tokens,
-                enable_pld=config.enable_pld,
+                num_draft_tokens=config.num_draft_tokens if self.speculation_supported else 0,
+                enable_pld=config.enable_pld and self.speculation_supported,
                 prefill_step_size=config.prefill_step_size,
             ),
-            cost=config.cost_model,
+            cost=config.cost_model or (None if self.speculation_supported else _NO_SPECULATION),
         )
         registry.transfer(self._spec.name)
         log.info("speculation: %s", self._spec.describe())
@@ -446,9 +463,7 @@ class Scheduler:
         migrated = 0
         if target == Mode.BATCHED:
             if self._batched is None:
-                self._batched = BatchedEngine(
-                    self.registry, self.config.max_num_seqs, self.config.batch_prefill_step_size
-                )
+                self._batched = self._make_batched_engine()
                 log.info("started the batched engine (first time two requests are active)")
             if self._spec.active is not None:
                 state, outputs = self._spec.export()
@@ -481,12 +496,23 @@ class Scheduler:
             migrated,
         )
 
+    def _make_batched_engine(self) -> BatchedSpeculativeEngine | BatchedEngine:
+        """Batched speculation when the caches roll back per row; otherwise mlx-lm's
+        BatchGenerator, which batches any cache type but cannot verify drafts."""
+        config = self.config
+        if self.speculation_supported:
+            return BatchedSpeculativeEngine(
+                self.registry, self._spec, config.max_num_seqs, config.batch_prefill_step_size
+            )
+        return BatchedEngine(self.registry, config.max_num_seqs, config.batch_prefill_step_size)
+
     def _step(self) -> None:
         if not self._running:
             self._last_step = None
             return
         engine = self._engine()
         batch_size = len(self._running)
+        started = time.perf_counter()
         try:
             outputs = engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the requests in this step, keep serving
@@ -503,6 +529,16 @@ class Scheduler:
         for output in outputs:
             self._publish(output)
         self._keep_finished_caches(engine)
+        if isinstance(engine, BatchedSpeculativeEngine):
+            self._observe_batched_step(engine, time.perf_counter() - started)
+
+    def _observe_batched_step(self, engine: BatchedSpeculativeEngine, seconds: float) -> None:
+        """Drafted tokens per row (speculation under load) and the step's split between
+        model forwards and everything else on the engine thread."""
+        if engine.step_sizes:
+            drafted = [count for _, count in engine.step_sizes]
+            self.observer.on_speculation_step(len(drafted), drafted)
+        self.observer.on_step_time(engine.forward_seconds, seconds - engine.forward_seconds)
 
     def _measure(self, shape: tuple[Mode, int], tokens: int) -> None:
         """A decode-rate sample: wall time since the previous step of the same shape."""

@@ -97,6 +97,8 @@ E2E_BUCKETS = (
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 SWITCH_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+DRAFT_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 METHODS = ("draft", "pld")
 GATES = ("prompt", "runtime")
@@ -175,6 +177,26 @@ class Metrics:
         self.batch_size = histogram(
             "tandem_batch_size", "Sequences per batched step.", BATCH_BUCKETS
         )
+        self.spec_row_drafts = histogram(
+            "tandem_spec_draft_tokens_per_row",
+            "Tokens each row drafted in a batched step (0 = it only decoded).",
+            DRAFT_BUCKETS,
+        )
+        self.spec_batch_size = histogram(
+            "tandem_spec_batch_size",
+            "Sequences per batched step in which at least one row drafted.",
+            BATCH_BUCKETS,
+        )
+        self.step_model = histogram(
+            "tandem_step_model_seconds",
+            "Batched step time in model forwards (until their results are read).",
+            STEP_BUCKETS,
+        )
+        self.step_overhead = histogram(
+            "tandem_step_overhead_seconds",
+            "Batched step time outside model forwards: planning, commit, detokenize, publish.",
+            STEP_BUCKETS,
+        )
         self.request_errors = counter(
             "tandem_request_errors", "Requests refused or failed, by kind.", ("kind",)
         )
@@ -245,6 +267,17 @@ class Metrics:
 
     def on_batch_step(self, size: int) -> None:
         self.batch_size.labels(self.model_name).observe(size)
+
+    def on_speculation_step(self, size: int, drafted: list[int]) -> None:
+        rows = self.spec_row_drafts.labels(self.model_name)
+        for count in drafted:
+            rows.observe(count)
+        if any(drafted):
+            self.spec_batch_size.labels(self.model_name).observe(size)
+
+    def on_step_time(self, model_s: float, overhead_s: float) -> None:
+        self.step_model.labels(self.model_name).observe(model_s)
+        self.step_overhead.labels(self.model_name).observe(max(0.0, overhead_s))
 
     # ---- server side (event loop) -------------------------------------------------
 

@@ -48,6 +48,10 @@ EXPORTED_METRICS = frozenset(
         "tandem_spec_accepted_tokens_total",
         "tandem_spec_gate_trips_total",
         "tandem_batch_size",
+        "tandem_spec_draft_tokens_per_row",
+        "tandem_spec_batch_size",
+        "tandem_step_model_seconds",
+        "tandem_step_overhead_seconds",
         "tandem_memory_bytes",
         "tandem_blas_info",
         "tandem_request_errors_total",
@@ -64,6 +68,10 @@ HISTOGRAMS = frozenset(
         "vllm:request_generation_tokens",
         "tandem_mode_switch_seconds",
         "tandem_batch_size",
+        "tandem_spec_draft_tokens_per_row",
+        "tandem_spec_batch_size",
+        "tandem_step_model_seconds",
+        "tandem_step_overhead_seconds",
     }
 )
 GAUGES = frozenset(

@@ -1,0 +1,127 @@
+"""What a batched forward costs, and the draft length that pays most for a batch.
+
+A batched step verifies `[B, 1 + K]`: every row feeds its newest token and up to K
+drafted ones (shorter drafts are padded). Its cost depends on the tokens in the
+forward, n = B * (1 + K), and -- when any row drafts with the draft model -- on K
+batched draft-model steps. Row i commits E(alpha_i, k_i) = 1 + a + ... + a^k_i
+tokens in expectation. The step's K maximises sum_i E_i / cost; K = 0 is plain
+batching, and with one row this is the single-stream rule.
+
+Costs start from the single-stream startup measurement (verify cost of n tokens
+relative to a plain step, extended linearly past the measured n) and are replaced by
+seconds measured on the engine's own forwards as they accumulate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engines.gates import MIN_SPEEDUP, CostModel, expected_tokens
+
+
+@dataclass
+class RowOption:
+    """One way a row can draft this step: up to `cap` tokens at acceptance `alpha`."""
+
+    alpha: float
+    cap: int
+    uses_draft_model: bool
+
+
+@dataclass
+class _Average:
+    value: float = 0.0
+    samples: int = 0
+
+    def add(self, seconds: float, weight: float = 0.2) -> None:
+        self.samples += 1
+        self.value = seconds if self.samples == 1 else self.value + weight * (seconds - self.value)
+
+
+@dataclass
+class BatchCosts:
+    """Forward costs by tokens per forward (target) and rows per forward (draft)."""
+
+    prior: CostModel
+    learn: bool = True
+    min_samples: int = 3
+    target: dict[int, _Average] = field(default_factory=dict)
+    draft: dict[int, _Average] = field(default_factory=dict)
+
+    def observe_target(self, tokens: int, seconds: float) -> None:
+        if self.learn:
+            self.target.setdefault(tokens, _Average()).add(seconds)
+
+    def observe_draft(self, rows: int, seconds_per_step: float) -> None:
+        if self.learn:
+            self.draft.setdefault(rows, _Average()).add(seconds_per_step)
+
+    def target_cost(self, tokens: int) -> float:
+        return _scaled(self.target, tokens, self._prior_ratio, self.min_samples)
+
+    def draft_cost(self, rows: int) -> float:
+        """One batched draft-model step over `rows` rows, in target_cost's units."""
+        known = {n: a for n, a in self.draft.items() if a.samples >= self.min_samples}
+        if rows in known and self._target_known():
+            return known[rows].value
+        return self.prior.draft_step * self.target_cost(rows)
+
+    def _target_known(self) -> bool:
+        return any(a.samples >= self.min_samples for a in self.target.values())
+
+    def _prior_ratio(self, tokens: int) -> float:
+        """Startup verify cost of `tokens` tokens vs a plain step, linear past the table."""
+        verify = self.prior.verify
+        if tokens <= len(verify):
+            return verify[tokens - 1]
+        slope = verify[-1] - verify[-2] if len(verify) > 1 else verify[-1]
+        return verify[-1] + max(slope, 0.0) * (tokens - len(verify))
+
+    def step_cost(self, rows: int, k: int, draft_model: bool) -> float:
+        cost = self.target_cost(rows * (1 + k))
+        return cost + (k * self.draft_cost(rows) if draft_model and k else 0.0)
+
+    def as_dict(self) -> dict:
+        return {
+            "target_seconds_by_tokens": {
+                n: round(a.value, 6) for n, a in sorted(self.target.items())
+            },
+            "draft_seconds_by_rows": {n: round(a.value, 6) for n, a in sorted(self.draft.items())},
+        }
+
+
+def _scaled(table: dict[int, _Average], n: int, prior, min_samples: int) -> float:
+    """Measured seconds for n when known; else the nearest measured point scaled by
+    the prior's ratio; else the prior ratio itself (all callers compare like units)."""
+    known = {m: a.value for m, a in table.items() if a.samples >= min_samples}
+    if n in known:
+        return known[n]
+    if not known:
+        return prior(n)
+    nearest = min(known, key=lambda m: (abs(m - n), m))
+    return known[nearest] * prior(n) / prior(nearest)
+
+
+def choose_draft_length(
+    costs: BatchCosts, rows: list[list[RowOption]], k_max: int
+) -> tuple[int, bool]:
+    """(K, run the draft model) maximising expected committed tokens per unit cost.
+
+    `rows[i]` lists row i's drafting options (empty: the row just decodes). A row
+    drafts with whichever option yields more at the chosen K."""
+    batch = len(rows)
+    plain = batch / costs.step_cost(batch, 0, False)
+    best, choice = plain * MIN_SPEEDUP, (0, False)
+    any_model = any(o.uses_draft_model for options in rows for o in options)
+    for k in range(1, k_max + 1):
+        for with_model in (False, True) if any_model else (False,):
+            tokens = sum(_row_expectation(options, k, with_model) for options in rows)
+            rate = tokens / costs.step_cost(batch, k, with_model)
+            if rate > best:
+                best, choice = rate, (k, with_model)
+    return choice
+
+
+def _row_expectation(options: list[RowOption], k: int, with_model: bool) -> float:
+    usable = [o for o in options if with_model or not o.uses_draft_model]
+    return max((expected_tokens(o.alpha, min(k, o.cap)) for o in usable), default=1.0)

@@ -1,0 +1,600 @@
+"""The batched speculative engine: every running sequence drafts its own tokens and
+one target forward verifies them all, so speculation stays on when users arrive.
+
+Each step:
+  1. join: newcomers' prompts are prefilled together, one chunk per step, in a
+     ragged cache of their own (the running rows keep their cadence); when the
+     group is done it joins the batch;
+  2. plan: each row proposes from its own n-gram index (PLD); rows that draft with
+     the draft model share one batched draft forward per drafted position, on a
+     ragged draft cache aligned row for row with the target's. The step's draft
+     length K maximises expected committed tokens per second (`batch_costs`):
+     K = 0 is plain batching, one row is the single-stream rule;
+  3. verify: one target forward over `[B, 1 + K]` (shorter drafts padded at the
+     end, which no real position attends), the exact acceptance rule per row
+     (greedy, or Leviathan with that row's sampling settings, processors and RNG),
+     then each row rolls back to exactly its committed tokens.
+
+Invariant after every step: target row i holds exactly `seq.all_tokens[:-1]` (the
+newest token is its next input), and draft row i holds exactly `row.draft_fed`.
+Both are checked after every verify. Requests move in and out with their caches
+(`insert` / `extract`), so migration never re-prefills.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs
+from engines.batch_costs import BatchCosts, RowOption, choose_draft_length
+from engines.drafters import (
+    DRAFT,
+    PLD,
+    DraftState,
+    PromptLookupDrafter,
+    choose_draft_token,
+    shared_prefix,
+)
+from engines.gates import MethodGate, expected_tokens
+from engines.logprobs import token_logprobs
+from engines.ragged_cache import RaggedKVCache, ragged_from_rows
+from engines.registry import ModelRegistry
+from engines.sampling import filter_logprobs, sample_token
+from engines.sequence import FinishReason, Sequence, StepOutput
+from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Row:
+    """One running sequence and its drafting state (all of it the request's own)."""
+
+    seq: Sequence
+    gates: dict[str, MethodGate]
+    pld: PromptLookupDrafter
+    draft_fed: list[int] = field(default_factory=list)  # tokens in its draft-cache row
+    drafts: list[int] = field(default_factory=list)  # this step's proposal
+    probs: mx.array | None = None  # (k, V) q of a sampled draft-model proposal
+    method: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.seq.all_tokens
+
+
+@dataclass
+class _Group:
+    """Newcomers prefilling together before they join the batch."""
+
+    rows: list[_Row]
+    cache: list[RaggedKVCache]
+    draft_cache: list[RaggedKVCache] | None
+    started: bool = False
+
+
+class BatchedSpeculativeEngine:
+    name = "batched"
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        speculative: SpeculativeEngine,
+        max_batch_size: int = 16,
+        prefill_step_size: int = 512,
+        costs: BatchCosts | None = None,
+    ) -> None:
+        self.registry = registry
+        self.model = registry.model_for(self.name)
+        self.draft_model = registry.draft.model if registry.draft else None
+        self.draft_vocab = speculative.drafter.vocab_size if speculative.drafter else 0
+        self.config: SpecConfig = speculative.config
+        self.k_cap = speculative.k_cap
+        self.initial_gates = speculative.initial_gates
+        self.costs = costs or BatchCosts(speculative.cost, learn=speculative.costs.learn)
+        self.max_batch_size = max_batch_size
+        self.prefill_step_size = prefill_step_size
+        self.rows: list[_Row] = []
+        self.cache: list[RaggedKVCache] = []
+        self.draft_cache: list[RaggedKVCache] | None = None
+        self.groups: list[_Group] = []
+        self.released: list[SequenceState] = []  # finished sequences' caches, for reuse
+        self.step_sizes: list[tuple[int, int]] = []  # (rows, drafted) per row this step
+        self.forward_seconds = 0.0  # model time of the last step (the rest is overhead)
+
+    # ---- membership -----------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows) + sum(len(g.rows) for g in self.groups)
+
+    @property
+    def active_ids(self) -> list[str]:
+        return [row.seq.request_id for row in self._all_rows()]
+
+    def _all_rows(self) -> list[_Row]:
+        return [*self.rows, *(row for group in self.groups for row in group.rows)]
+
+    def add(self, seq: Sequence) -> None:
+        self.insert(SequenceState(seq, make_prompt_cache(self.registry.target.model), 0))
+
+    def insert(self, state: SequenceState) -> None:
+        """Join with the cache as it is: a sequence whose cache holds all but its
+        newest token joins the batch now; others prefill in the next group."""
+        seq = state.seq
+        gates = state.gates if state.gates is not None else self.initial_gates(seq)
+        pld = state.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
+        row = _Row(seq, gates, pld)
+        draft_rows = self._draft_row_cache(row, state.draft)
+        ready = state.cached == len(seq.all_tokens) - 1
+        if ready and not self.groups:
+            self._join([row], [list(state.cache)], draft_rows)
+            return
+        group = self.groups[-1] if self.groups and not self.groups[-1].started else None
+        cache = ragged_from_rows([list(state.cache)])
+        draft = ragged_from_rows([draft_rows]) if draft_rows is not None else None
+        if group is None:
+            self.groups.append(_Group([row], cache, draft))
+            return
+        group.rows.append(row)
+        for layer, extra in zip(group.cache, cache, strict=True):
+            layer.extend(extra)
+        for layer, extra in zip(group.draft_cache or [], draft or [], strict=True):
+            layer.extend(extra)
+
+    admit = insert
+
+    def _draft_row_cache(self, row: _Row, draft: DraftState | None) -> list | None:
+        """The row's draft KV cache as per-layer KVCaches, rolled back to the prefix it
+        shares with the committed tokens (a migrated state may hold drafted ones)."""
+        if self.draft_model is None:
+            return None
+        if draft is None or draft.cache is None:
+            return make_prompt_cache(self.draft_model)
+        shared = shared_prefix(draft.fed, row.tokens)
+        cache = [_truncated(layer, shared) for layer in draft.cache]
+        row.draft_fed = draft.fed[:shared]
+        return cache
+
+    def _join(self, rows: list[_Row], caches: list[list], draft_rows: list | None) -> None:
+        self._merge(rows, ragged_from_rows(caches), _ragged_or_none([draft_rows]))
+
+    def _merge(
+        self, rows: list[_Row], cache: list[RaggedKVCache], draft: list[RaggedKVCache] | None
+    ) -> None:
+        if not self.rows:
+            self.rows, self.cache, self.draft_cache = list(rows), cache, draft
+            return
+        self.rows.extend(rows)
+        for layer, extra in zip(self.cache, cache, strict=True):
+            layer.extend(extra)
+        for layer, extra in zip(self.draft_cache or [], draft or [], strict=True):
+            layer.extend(extra)
+
+    def extract(self, request_id: str) -> SequenceState:
+        """Leave with the target cache of every committed token but the newest, and the
+        draft cache of exactly `draft_fed`."""
+        self._settle_groups_for(request_id)
+        index = self._index(request_id)
+        row = self.rows[index]
+        cache = [layer.extract(index) for layer in self.cache]
+        draft = None
+        if self.draft_cache is not None:
+            self._roll_back_draft(index)
+            draft = DraftState([layer.extract(index) for layer in self.draft_cache], row.draft_fed)
+        self._drop([index])
+        cached = len(row.tokens) - 1
+        return SequenceState(row.seq, cache, cached, row.gates, row.pld, draft)
+
+    def _settle_groups_for(self, request_id: str) -> None:
+        """A sequence still prefilling in a group is finished prefilling first."""
+        while any(r.seq.request_id == request_id for g in self.groups for r in g.rows):
+            self._prefill_chunk()
+
+    def cancel(self, request_id: str) -> bool:
+        for group in self.groups:
+            for i, row in enumerate(group.rows):
+                if row.seq.request_id == request_id:
+                    row.seq.finish_reason = FinishReason.CANCELLED
+                    _remove_rows(group.rows, group.cache, group.draft_cache, [i])
+                    if not group.rows:
+                        self.groups.remove(group)
+                    return True
+        for i, row in enumerate(self.rows):
+            if row.seq.request_id == request_id:
+                row.seq.finish_reason = FinishReason.CANCELLED
+                self._drop([i])
+                return True
+        return False
+
+    def _index(self, request_id: str) -> int:
+        return next(i for i, row in enumerate(self.rows) if row.seq.request_id == request_id)
+
+    def _drop(self, indices: list[int]) -> None:
+        _remove_rows(self.rows, self.cache, self.draft_cache, indices)
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        self.forward_seconds = 0.0
+        self.step_sizes = []
+        if self.groups:
+            self._prefill_chunk()
+        if not self.rows:
+            return []
+        k, with_model = self._plan()
+        if with_model:
+            self._draft_with_model(k)
+        return self._verify(k)
+
+    def _prefill_chunk(self) -> None:
+        """One chunk of every prompt in the first group (target and draft caches);
+        the group joins the batch when each row holds all but its newest token."""
+        group = self.groups[0]
+        group.started = True
+        started = time.perf_counter()
+        _feed_chunk(
+            self.model, group.cache, [r.tokens[:-1] for r in group.rows], self.prefill_step_size
+        )
+        if group.draft_cache is not None:
+            fed = _feed_chunk(
+                self.draft_model,
+                group.draft_cache,
+                [r.tokens[:-1] for r in group.rows],
+                self.prefill_step_size,
+            )
+            for row, length in zip(group.rows, fed, strict=True):
+                row.draft_fed = row.tokens[:length]
+        mx.eval([layer.keys for layer in group.cache if layer.keys is not None])
+        self.forward_seconds += time.perf_counter() - started
+        done = all(
+            length == len(r.tokens) - 1
+            for r, length in zip(group.rows, group.cache[0].lengths, strict=True)
+        )
+        if done and (
+            group.draft_cache is None
+            or all(len(r.draft_fed) == len(r.tokens) - 1 for r in group.rows)
+        ):
+            self.groups.pop(0)
+            self._merge(group.rows, group.cache, group.draft_cache)
+
+    # ---- planning -----------------------------------------------------------------------
+
+    def _plan(self) -> tuple[int, bool]:
+        """Each row's PLD proposal and drafting options; the step's K."""
+        options, caps = [], []
+        for row in self.rows:
+            row.drafts, row.probs, row.method = [], None, None
+            cap = self._row_cap(row)
+            caps.append(cap)
+            row_options = []
+            if cap > 0 and PLD in row.gates:
+                proposal = row.pld.propose(row.tokens, cap)
+                if proposal is not None:
+                    row.drafts, row.method = proposal.tokens, PLD
+                    row_options.append(RowOption(row.gates[PLD].alpha, len(proposal.tokens), False))
+            if cap > 0 and DRAFT in row.gates and self.draft_model is not None:
+                row_options.append(RowOption(row.gates[DRAFT].alpha, cap, True))
+            options.append(row_options)
+        k_max = max(caps, default=0)
+        if k_max == 0:
+            return 0, False
+        k, with_model = choose_draft_length(self.costs, options, k_max)
+        for row, row_options in zip(self.rows, options, strict=True):
+            self._choose_method(row, row_options, k, with_model)
+        return k, with_model and any(row.method == DRAFT for row in self.rows)
+
+    def _row_cap(self, row: _Row) -> int:
+        seq = row.seq
+        k = seq.request.speculation.num_draft_tokens
+        k = self.config.num_draft_tokens if k is None else max(0, min(k, self.k_cap))
+        if not row.gates:
+            return 0
+        return max(0, min(k, seq.request.max_tokens - len(seq.generated) - 1))
+
+    @staticmethod
+    def _choose_method(row: _Row, options: list[RowOption], k: int, with_model: bool) -> None:
+        """At draft length k, the row drafts with its better method (PLD is free; the
+        draft model only when the step runs it), or not at all when k is 0."""
+        if k == 0:
+            row.drafts, row.method = [], None
+            return
+        best, method = 0.0, None
+        for option in options:
+            if option.uses_draft_model and not with_model:
+                continue
+            gain = expected_tokens(option.alpha, min(k, option.cap))
+            if gain > best:
+                best, method = gain, DRAFT if option.uses_draft_model else PLD
+        if method == PLD:
+            row.drafts = row.drafts[:k]
+        else:
+            row.drafts, row.method = [], method
+
+    # ---- the draft model, batched over the rows ----------------------------------------
+
+    def _draft_with_model(self, k: int) -> None:
+        """k batched draft-model steps; rows drafting with it take its tokens."""
+        started = time.perf_counter()
+        drafting = [row.method == DRAFT for row in self.rows]
+        pending = []
+        for i, row in enumerate(self.rows):
+            self._roll_back_draft(i)
+            pending.append(row.tokens[len(row.draft_fed) :])
+        # Catch up (chunked for long gaps), ending with each row's newest token.
+        while max(len(p) for p in pending) > self.prefill_step_size:
+            head = [p[: max(0, len(p) - 1)][: self.prefill_step_size] for p in pending]
+            _feed_rows(self.draft_model, self.draft_cache, head)
+            for row, fed in zip(self.rows, head, strict=True):
+                row.draft_fed.extend(fed)
+            pending = [p[len(h) :] for p, h in zip(pending, head, strict=True)]
+        logits = _feed_rows(self.draft_model, self.draft_cache, pending)
+        for row, fed in zip(self.rows, pending, strict=True):
+            row.draft_fed.extend(fed)
+        last = mx.array([len(p) - 1 for p in pending])
+        logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0, : self.draft_vocab]
+        proposals: list[list[int]] = [[] for _ in self.rows]
+        probs: list[list[mx.array]] = [[] for _ in self.rows]
+        for step in range(k):
+            tokens = self._choose_draft_tokens(
+                logits.astype(mx.float32), drafting, proposals, probs
+            )
+            if step + 1 == k:
+                break
+            feed = [[t] if drafting[i] else [] for i, t in enumerate(tokens)]
+            logits = _feed_rows(self.draft_model, self.draft_cache, feed)[:, 0, : self.draft_vocab]
+            for row, fed in zip(self.rows, feed, strict=True):
+                row.draft_fed.extend(fed)
+        for i, row in enumerate(self.rows):
+            if drafting[i]:
+                row.drafts = proposals[i]
+                row.probs = mx.stack(probs[i]) if probs[i] else None
+        seconds = time.perf_counter() - started
+        self.forward_seconds += seconds
+        self.costs.observe_draft(len(self.rows), seconds / k)
+
+    def _roll_back_draft(self, index: int) -> None:
+        """Draft row `index` keeps only the prefix it shares with the committed tokens."""
+        row = self.rows[index]
+        shared = shared_prefix(row.draft_fed, row.tokens)
+        if shared < len(row.draft_fed):
+            _set_row_length(self.draft_cache, index, shared)
+            del row.draft_fed[shared:]
+
+    def _choose_draft_tokens(self, logits, drafting, proposals, probs) -> list[int]:
+        """Each drafting row's next draft token: greedy rows by one argmax over the
+        batch, sampled rows from their own processed q."""
+        greedy = mx.argmax(logits, axis=-1)
+        chosen = greedy.tolist()
+        for i, row in enumerate(self.rows):
+            if not drafting[i]:
+                continue
+            params = row.seq.request.sampling
+            history = [*row.tokens, *proposals[i]]
+            if params.greedy and not row.seq.processors:
+                token = chosen[i]
+            else:
+                token, q = choose_draft_token(
+                    logits[i : i + 1], params, row.seq.rng, row.seq.processors, history
+                )
+                if q is not None:
+                    probs[i].append(q[0])
+            proposals[i].append(token)
+            chosen[i] = token
+        return chosen
+
+    # ---- verification -----------------------------------------------------------------
+
+    def _verify(self, k: int) -> list[StepOutput]:
+        started = time.perf_counter()
+        width = 1 + k
+        fed_rows = [[row.tokens[-1], *row.drafts[:k]] for row in self.rows]
+        lengths = list(self.cache[0].lengths)
+        inputs = mx.array([fed + [0] * (width - len(fed)) for fed in fed_rows])
+        logits = self.model(inputs, cache=self.cache)
+        logprobs = self._process(logits, fed_rows)
+        decisions = self._accept(logprobs, fed_rows)
+        self.costs.observe_target(len(self.rows) * width, time.perf_counter() - started)
+        self.forward_seconds += time.perf_counter() - started
+        kept = [
+            length + 1 + accepted for length, (accepted, _) in zip(lengths, decisions, strict=True)
+        ]
+        for layer in self.cache:
+            layer.set_lengths(kept)
+        outputs, finished = [], []
+        for i, (row, fed, (accepted, next_token)) in enumerate(
+            zip(self.rows, fed_rows, decisions, strict=True)
+        ):
+            drafted = len(fed) - 1
+            if drafted:
+                self._record(row, drafted, accepted)
+            else:
+                for gate in row.gates.values():
+                    gate.plain_token()
+            self.step_sizes.append((len(self.rows), drafted))
+            output = self._commit(row, [*fed[1 : 1 + accepted], next_token], logprobs[i])
+            if output.finish_reason is not None:
+                finished.append(i)
+            else:
+                assert self.cache[0].lengths[i] == len(row.tokens) - 1, "target row out of step"
+            outputs.append(output)
+        if self.draft_cache is not None:
+            assert all(
+                layer.lengths[i] == len(r.draft_fed)
+                for layer in self.draft_cache[:1]
+                for i, r in enumerate(self.rows)
+            ), "draft row out of step"
+        self._release(finished)
+        return outputs
+
+    def _process(self, logits: mx.array, fed_rows: list[list[int]]) -> mx.array:
+        """Log-probabilities per row and position, after that row's processors with
+        exactly the history a plain step would have seen."""
+        rows = []
+        for i, (row, fed) in enumerate(zip(self.rows, fed_rows, strict=True)):
+            row_logits = logits[i]
+            if row.seq.processors:
+                history = row.tokens[:-1]
+                positions = []
+                for j in range(row_logits.shape[0]):
+                    context = mx.array([*history, *fed[: j + 1]]) if j < len(fed) else None
+                    position = row_logits[j : j + 1]
+                    if context is not None:
+                        for processor in row.seq.processors:
+                            position = processor(context, position)
+                    positions.append(position)
+                row_logits = mx.concatenate(positions, axis=0)
+            rows.append(row_logits)
+        logits = mx.stack(rows) if any(r.seq.processors for r in self.rows) else logits
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def _accept(self, logprobs: mx.array, fed_rows: list[list[int]]) -> list[tuple[int, int]]:
+        """(accepted drafts, next token) per row: greedy rows from one batched argmax,
+        sampled rows by the rejection rule with their own settings and RNG."""
+        argmax = mx.argmax(logprobs, axis=-1)
+        pending = {}
+        for i, (row, fed) in enumerate(zip(self.rows, fed_rows, strict=True)):
+            params = row.seq.request.sampling
+            if params.greedy:
+                continue
+            drafts = fed[1:]
+            if not drafts:
+                pending[i] = (None, sample_token(params, logprobs[i, :1], row.seq.rng))
+                continue
+            pending[i] = self._accept_sampled_row(row, logprobs[i, : len(fed)], drafts)
+        mx.eval(argmax, *[x for pair in pending.values() for x in pair if x is not None])
+        targets = argmax.tolist()
+        decisions = []
+        for i, fed in enumerate(fed_rows):
+            if i in pending:
+                accepted, token = pending[i]
+                decisions.append(
+                    (0 if accepted is None else int(accepted.item()), int(token.item()))
+                )
+            else:
+                accepted = accept_greedy(targets[i], fed[1:])
+                decisions.append((accepted, targets[i][accepted]))
+        return decisions
+
+    def _accept_sampled_row(self, row: _Row, logprobs: mx.array, drafts: list[int]):
+        params = row.seq.request.sampling
+        scaled = filter_logprobs(params, logprobs.astype(mx.float32)) * (1.0 / params.temperature)
+        p = mx.softmax(scaled, axis=-1)
+        tokens = mx.array(drafts)
+        if row.probs is None:
+            q = one_hot_probs(tokens, p.shape[-1])
+        else:
+            q = _pad_vocab(row.probs, p.shape[-1])
+        accepted, token = accept_sampled(p[None], q[None], tokens[None], key=row.seq.rng.next_key())
+        return accepted[0], token[0]
+
+    def _record(self, row: _Row, drafted: int, accepted: int) -> None:
+        row.seq.spec.record(row.method, drafted, accepted)
+        gate = row.gates[row.method]
+        if gate.record(drafted, accepted, self._row_cap(row) or drafted, self.costs.prior):
+            row.seq.spec.trip("runtime")
+
+    def _commit(self, row: _Row, committed: list[int], logprobs: mx.array) -> StepOutput:
+        seq = row.seq
+        text = []
+        try:
+            for token in committed:
+                text.append(seq.commit(token))
+                if seq.finished:
+                    break
+        except Exception as exc:  # noqa: BLE001 - fail this sequence, keep the batch
+            log.exception("request %s failed in the batched engine", seq.request_id)
+            seq.finish_reason = FinishReason.ERROR
+            return StepOutput(seq.request_id, [], "", FinishReason.ERROR, error=str(exc))
+        tokens = committed[: len(text)]
+        output = StepOutput(
+            seq.request_id, tokens, "".join(text), seq.finish_reason, seq.matched_stop
+        )
+        if seq.request.logprobs is not None:
+            output.logprobs = token_logprobs(logprobs[: len(tokens)], tokens, seq.request.logprobs)
+        return output
+
+    def _release(self, finished: list[int]) -> None:
+        """Finished rows leave; each leaves its cache trimmed to the committed tokens
+        it holds (a failed row leaves none: its last token may not be committed)."""
+        for i in finished:
+            row = self.rows[i]
+            if row.seq.finish_reason == FinishReason.ERROR:
+                continue
+            held = min(self.cache[0].lengths[i], len(row.tokens))
+            for layer in self.cache:
+                layer.lengths[i] = held
+            cache = [layer.extract(i) for layer in self.cache]
+            self.released.append(SequenceState(row.seq, cache, held))
+        if finished:
+            self._drop(finished)
+
+    def close(self) -> None:
+        self.rows, self.cache, self.draft_cache, self.groups = [], [], None, []
+
+
+# ---- ragged forwards ------------------------------------------------------------------
+
+
+def _feed_rows(model, cache: list[RaggedKVCache], rows: list[list[int]]) -> mx.array:
+    """One forward with each row's own tokens (padded at the end); each row's cache
+    advances by its own count. Returns logits (B, T, V)."""
+    width = max(1, max(len(r) for r in rows))
+    lengths = list(cache[0].lengths)
+    inputs = mx.array([r + [0] * (width - len(r)) for r in rows])
+    logits = model(inputs, cache=cache)
+    new = [length + len(r) for length, r in zip(lengths, rows, strict=True)]
+    for layer in cache:
+        layer.set_lengths(new)
+    return logits
+
+
+def _feed_chunk(
+    model, cache: list[RaggedKVCache], targets: list[list[int]], step: int
+) -> list[int]:
+    """Feed each row up to `step` more of `targets[i]` (the tokens it should hold);
+    returns each row's length after. Rows already complete feed nothing."""
+    lengths = cache[0].lengths
+    chunks = [t[length : length + step] for t, length in zip(targets, lengths, strict=True)]
+    if any(chunks):
+        _feed_rows(model, cache, chunks)
+    return list(cache[0].lengths)
+
+
+def _set_row_length(cache: list[RaggedKVCache], row: int, length: int) -> None:
+    for layer in cache:
+        lengths = list(layer.lengths)
+        lengths[row] = length
+        layer.set_lengths(lengths)
+
+
+def _remove_rows(rows: list, cache: list[RaggedKVCache], draft, indices: list[int]) -> None:
+    keep = [i for i in range(len(rows)) if i not in set(indices)]
+    for i in sorted(indices, reverse=True):
+        del rows[i]
+    for layer in [*cache, *(draft or [])]:
+        layer.filter(keep)
+
+
+def _ragged_or_none(rows: list) -> list[RaggedKVCache] | None:
+    return None if rows[0] is None else ragged_from_rows(rows)
+
+
+def _truncated(layer: KVCache, length: int) -> KVCache:
+    cache = KVCache()
+    if length and layer.keys is not None:
+        cache.keys, cache.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+        cache.offset = length
+    return cache
+
+
+def _pad_vocab(probs: mx.array, vocab_size: int) -> mx.array:
+    missing = vocab_size - probs.shape[-1]
+    if missing <= 0:
+        return probs[..., :vocab_size]
+    return mx.concatenate([probs, mx.zeros((*probs.shape[:-1], missing), probs.dtype)], axis=-1)

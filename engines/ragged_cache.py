@@ -1,0 +1,205 @@
+"""A batched KV cache whose rows have their own lengths, so each row rolls back alone.
+
+mlx-lm's `BatchKVCache` left-pads rows to one shared write index, so a trim removes
+the same number of positions from every row. Batched speculation needs the opposite:
+after one verify forward over `[B, 1 + K]`, row i keeps `1 + accepted_i` of the
+positions it wrote. Here row i always starts at position 0 and holds exactly
+`lengths[i]` positions; a forward over T tokens writes row i's keys at
+`lengths[i] .. lengths[i] + T` (a scatter, not a shared slice), and a rollback is a
+change of `lengths[i]`: nothing is copied.
+
+Invariant: for every row, positions `< lengths[i]` hold the KV of that row's tokens
+in order; positions at or beyond it are garbage that no query ever attends, because
+`make_mask` (built from the lengths before the forward) lets query t of row i see
+only positions `<= lengths[i] + t`. Shorter rows in a forward are padded at the end,
+so padding never changes a real position's logits.
+
+The class speaks mlx-lm's cache protocol (`offset`, `update_and_fetch`, `make_mask`,
+`state`, `is_trimmable`, `trim`) so mlx-lm's attention models run on it unchanged;
+`offset` is a per-row array, which their RoPE accepts.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+
+class RaggedKVCache:
+    step = 256  # capacity grows in blocks of this many positions, like KVCache
+
+    def __init__(self, lengths: list[int], keys: mx.array | None = None, values=None) -> None:
+        self.lengths = list(lengths)
+        self.keys = keys
+        self.values = values
+
+    # ---- mlx-lm's cache protocol ------------------------------------------------
+
+    @property
+    def offset(self) -> mx.array:
+        """Per-row position of the next token (RoPE offset)."""
+        return mx.array(self.lengths)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write T new positions per row after each row's own length; every row
+        advances by T (callers roll padded positions back with `set_lengths`)."""
+        batch, heads, count, _ = keys.shape
+        assert batch == len(self.lengths), "one row of keys per cache row"
+        end = max(self.lengths) + count
+        self._reserve(end, keys, values)
+        if len(set(self.lengths)) == 1:
+            start = self.lengths[0]
+            self.keys[..., start : start + count, :] = keys
+            self.values[..., start : start + count, :] = values
+        else:
+            positions = mx.array(self.lengths)[:, None] + mx.arange(count)[None]
+            index = positions[:, None, :, None]
+            self.keys = mx.put_along_axis(
+                self.keys, mx.broadcast_to(index, keys.shape), keys, axis=2
+            )
+            self.values = mx.put_along_axis(
+                self.values, mx.broadcast_to(index, values.shape), values, axis=2
+            )
+        self.lengths = [length + count for length in self.lengths]
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def make_mask(self, count: int, return_array: bool = False, window_size=None, **_) -> mx.array:
+        """(B, 1, count, max_len + count): query t of row i sees positions <= len_i + t."""
+        if window_size is not None:
+            raise ValueError("RaggedKVCache does not support sliding-window attention")
+        lengths = mx.array(self.lengths)[:, None, None, None]
+        queries = mx.arange(count)[None, None, :, None]
+        keys = mx.arange(max(self.lengths) + count)[None, None, None, :]
+        return keys <= lengths + queries
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Trim every row by n (the protocol's uniform trim); returns n as trimmed."""
+        n = min(n, min(self.lengths))
+        self.lengths = [length - n for length in self.lengths]
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    # ---- per-row lengths and row membership ---------------------------------------
+
+    def set_lengths(self, lengths: list[int]) -> None:
+        """Roll rows back (never forward past what was written)."""
+        assert len(lengths) == len(self.lengths)
+        for new, old in zip(lengths, self.lengths, strict=True):
+            if not 0 <= new <= old:
+                raise ValueError(f"a row of {old} positions cannot become {new}")
+        self.lengths = list(lengths)
+
+    def filter(self, rows: list[int]) -> None:
+        """Keep only `rows`, in that order (a copy of the kept rows)."""
+        self.lengths = [self.lengths[i] for i in rows]
+        if not rows:
+            self.keys = self.values = None
+        if self.keys is not None:
+            index = mx.array(rows, dtype=mx.int32)
+            end = max(self.lengths, default=0)
+            capacity = _round_up(max(end, 1), self.step)
+            self.keys = self.keys[index, :, :capacity]
+            self.values = self.values[index, :, :capacity]
+
+    def extend(self, other: RaggedKVCache) -> None:
+        """Append `other`'s rows after this cache's rows."""
+        if other.keys is None and self.keys is None:
+            self.lengths += other.lengths
+            return
+        if self.keys is None:
+            self.keys, self.values = _empty_rows(len(self.lengths), other)
+        if other.keys is None:
+            other = RaggedKVCache(other.lengths, *_empty_rows(len(other.lengths), self))
+        capacity = max(self.keys.shape[2], other.keys.shape[2])
+        self.keys = mx.concatenate([_pad_to(self.keys, capacity), _pad_to(other.keys, capacity)])
+        self.values = mx.concatenate(
+            [_pad_to(self.values, capacity), _pad_to(other.values, capacity)]
+        )
+        self.lengths += other.lengths
+
+    def extract(self, row: int) -> KVCache:
+        """Row `row` as a plain single-sequence KVCache holding exactly its positions."""
+        cache = KVCache()
+        length = self.lengths[row]
+        if length and self.keys is not None:
+            cache.keys = mx.contiguous(self.keys[row : row + 1, :, :length])
+            cache.values = mx.contiguous(self.values[row : row + 1, :, :length])
+            cache.offset = length
+        return cache
+
+    @classmethod
+    def from_caches(cls, caches: list[KVCache]) -> RaggedKVCache:
+        """Rows from single-sequence caches (each `offset` positions long)."""
+        lengths = [c.offset for c in caches]
+        filled = [c for c in caches if c.keys is not None and c.offset > 0]
+        if not filled:
+            return cls(lengths)
+        capacity = _round_up(max(lengths), cls.step)
+        template_k, template_v = filled[0].keys, filled[0].values
+        rows_k, rows_v = [], []
+        for cache, length in zip(caches, lengths, strict=True):
+            if length == 0 or cache.keys is None:
+                k = mx.zeros((1, template_k.shape[1], 0, template_k.shape[3]), template_k.dtype)
+                v = mx.zeros((1, template_v.shape[1], 0, template_v.shape[3]), template_v.dtype)
+            else:
+                k, v = cache.keys[..., :length, :], cache.values[..., :length, :]
+            rows_k.append(_pad_to(k, capacity))
+            rows_v.append(_pad_to(v, capacity))
+        return cls(lengths, mx.concatenate(rows_k), mx.concatenate(rows_v))
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _reserve(self, end: int, keys: mx.array, values: mx.array) -> None:
+        if self.keys is not None and end <= self.keys.shape[2]:
+            return
+        capacity = _round_up(end, self.step)
+        batch, heads, _, k_dims = keys.shape
+        if self.keys is None:
+            self.keys = mx.zeros((batch, heads, capacity, k_dims), keys.dtype)
+            self.values = mx.zeros((batch, heads, capacity, values.shape[3]), values.dtype)
+        else:
+            self.keys = _pad_to(self.keys, capacity)
+            self.values = _pad_to(self.values, capacity)
+
+
+def _empty_rows(rows: int, like: RaggedKVCache) -> tuple[mx.array, mx.array]:
+    """Zero-capacity keys and values for `rows` rows, shaped and typed like `like`'s."""
+    k, v = like.keys, like.values
+    return (
+        mx.zeros((rows, k.shape[1], 0, k.shape[3]), k.dtype),
+        mx.zeros((rows, v.shape[1], 0, v.shape[3]), v.dtype),
+    )
+
+
+def _round_up(n: int, step: int) -> int:
+    return (n + step - 1) // step * step
+
+
+def _pad_to(array: mx.array, capacity: int) -> mx.array:
+    """Pad (or cut) axis 2 to `capacity` positions."""
+    size = array.shape[2]
+    if size >= capacity:
+        return array[:, :, :capacity]
+    pad = mx.zeros((*array.shape[:2], capacity - size, array.shape[3]), array.dtype)
+    return mx.concatenate([array, pad], axis=2)
+
+
+def make_ragged_cache(layers: int, lengths: list[int]) -> list[RaggedKVCache]:
+    return [RaggedKVCache(lengths) for _ in range(layers)]
+
+
+def ragged_from_rows(rows: list[list[KVCache]]) -> list[RaggedKVCache]:
+    """Per-layer ragged caches from each row's per-layer KVCaches."""
+    return [
+        RaggedKVCache.from_caches([row[layer] for row in rows]) for layer in range(len(rows[0]))
+    ]

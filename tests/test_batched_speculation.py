@@ -1,0 +1,370 @@
+"""Speculation inside the continuous batch: every row drafts on its own (PLD from its
+own n-gram index, the draft model batched over the rows), one target forward verifies
+all rows, each row rolls back alone -- and every row's output is exactly what plain
+decoding of that request alone gives."""
+
+from __future__ import annotations
+
+import zlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
+from scipy.stats import chi2_contingency
+
+from engines.batched_spec import BatchedSpeculativeEngine
+from engines.gates import CostModel
+from engines.ragged_cache import RaggedKVCache, ragged_from_rows
+from engines.registry import ModelRegistry
+from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
+from engines.sequence import FinishReason, make_sequence
+from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
+
+# Nearly flat verify costs (as for a tiny model): drafting pays at every batch size,
+# so every test exercises batched verification.
+COST = CostModel.assumed(9, per_token=0.02, draft_step=0.05)
+GREEDY = SamplingParams(temperature=0.0)
+CODE_PROMPT = "def add(a, b):\n    return a + b\n" * 4
+PROMPTS = [
+    "Once upon a time there was a robot",
+    CODE_PROMPT,
+    "Hello, world! How are you today?",
+    "The weather in the mountains changes quickly",
+    "import json, os, sys",
+    "A stitch in time saves nine.",
+    "Numbers: 0 1 2 3 4 5",
+    "Please repeat the following text exactly",
+]
+
+
+def make_engines(target_dir, draft_dir=None, **config):
+    """A batched speculative engine (and the single-stream engine it shares config,
+    costs and gates with) on one registry, with the batched engine owning the model."""
+    registry = ModelRegistry.load(str(target_dir), str(draft_dir) if draft_dir else None)
+    spec = SpeculativeEngine(registry, SpecConfig(**config), cost=COST)
+    batched = BatchedSpeculativeEngine(registry, spec, max_batch_size=16, prefill_step_size=64)
+    registry.transfer(batched.name)
+    return spec, batched
+
+
+@pytest.fixture(scope="module")
+def perturbed(tiny_model_dir, perturbed_draft_dir):
+    return make_engines(tiny_model_dir, perturbed_draft_dir)
+
+
+@pytest.fixture(scope="module")
+def self_draft(tiny_model_dir):
+    return make_engines(tiny_model_dir, tiny_model_dir)
+
+
+def repetitive_bias(tokenizer, n_tokens: int = 3) -> tuple:
+    """Logit bias that makes the tiny model loop, so PLD has repeats to find."""
+    ids = sorted(set(tokenizer.encode(CODE_PROMPT)))[:n_tokens]
+    return tuple((t, 8.0) for t in ids)
+
+
+def run_batch(engine, requests, join_after: dict | None = None, cancel_at: dict | None = None):
+    """Step the engine until every sequence finished; `join_after[step]` lists requests
+    added at that step, `cancel_at[step]` request ids cancelled before it."""
+    seqs = {}
+    tokenizer = engine.registry.tokenizer
+    for request in requests:
+        seqs[request.request_id] = make_sequence(request, tokenizer)
+        engine.add(seqs[request.request_id])
+    outputs: dict[str, list] = {rid: [] for rid in seqs}
+    drafted_in_batch = 0
+    step = 0
+    while engine.batch_size or (join_after and any(s >= step for s in join_after)):
+        for request in (join_after or {}).get(step, []):
+            seqs[request.request_id] = make_sequence(request, tokenizer)
+            outputs[request.request_id] = []
+            engine.add(seqs[request.request_id])
+        for request_id in (cancel_at or {}).get(step, []):
+            assert engine.cancel(request_id)
+        for output in engine.step():
+            outputs[output.request_id].append(output)
+        drafted_in_batch += sum(d for rows, d in engine.step_sizes if rows >= 2)
+        step += 1
+        assert step < 5000
+    return seqs, outputs, drafted_in_batch
+
+
+def greedy_request(rid, prompt_ids, max_tokens, **kw):
+    return GenerationRequest(rid, tuple(prompt_ids), max_tokens, GREEDY, ignore_eos=True, **kw)
+
+
+# ---- the ragged cache -----------------------------------------------------------------
+
+
+def test_ragged_cache_rows_roll_back_alone_and_match_single_sequence_decoding(reference):
+    model = reference.model
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
+    drafts = [[20, 21, 22], [23, 24, 25], [26, 27, 28]]
+    caches = []
+    for prompt in prompts:
+        cache = make_prompt_cache(model)
+        model(mx.array(prompt[:-1])[None], cache=cache)
+        caches.append(cache)
+    ragged = ragged_from_rows(caches)
+    verify = model(
+        mx.array([[p[-1], *d] for p, d in zip(prompts, drafts, strict=True)]), cache=ragged
+    )
+    for i, (prompt, draft) in enumerate(zip(prompts, drafts, strict=True)):
+        alone = model(mx.array([*prompt, *draft])[None])[0, len(prompt) - 1 :]
+        assert mx.allclose(verify[i], alone, atol=1e-4).item()
+    kept = [1, 3, 0]  # accepted drafts per row: each row rolls back by its own amount
+    for layer in ragged:
+        layer.set_lengths([len(p) + k for p, k in zip(prompts, kept, strict=True)])
+    following = model(mx.array([[30], [31], [32]]), cache=ragged)
+    for i, (prompt, draft, k) in enumerate(zip(prompts, drafts, kept, strict=True)):
+        alone = model(mx.array([*prompt, *draft[:k], 30 + i])[None])[0, -1]
+        assert mx.allclose(following[i, -1], alone, atol=1e-4).item()
+
+
+def test_ragged_cache_refuses_to_roll_forward():
+    cache = RaggedKVCache([3, 4])
+    with pytest.raises(ValueError):
+        cache.set_lengths([4, 4])
+
+
+def test_ragged_rows_extract_to_the_exact_single_sequence_cache(reference):
+    model = reference.model
+    rows = []
+    for prompt in ([1, 2, 3, 4, 5], [6, 7]):
+        cache = make_prompt_cache(model)
+        model(mx.array(prompt)[None], cache=cache)
+        rows.append(cache)
+    ragged = ragged_from_rows(rows)
+    for i, cache in enumerate(rows):
+        extracted = [layer.extract(i) for layer in ragged]
+        for got, want in zip(extracted, cache, strict=True):
+            assert isinstance(got, KVCache) and got.offset == want.offset
+            assert mx.array_equal(got.keys[..., : got.offset, :], want.keys[..., : want.offset, :])
+
+
+# ---- greedy exactness ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_rows_mixing_pld_draft_and_plain_each_equal_solo_plain_decoding(perturbed, reference, n):
+    _, engine = perturbed
+    tokenizer = reference.tokenizer
+    bias = repetitive_bias(tokenizer)
+    requests, expected = [], {}
+    for i in range(n):
+        prompt = tokenizer.encode(PROMPTS[i])
+        max_tokens = 30 + 11 * i
+        kind = i % 3
+        if kind == 0:  # the draft model only
+            overrides = SpeculationOverrides(enable_pld=False)
+            sampling, processors = GREEDY, None
+        elif kind == 1:  # PLD only, on output that loops
+            overrides = SpeculationOverrides(enable_draft=False)
+            sampling = SamplingParams(temperature=0.0, logit_bias=bias)
+            processors = make_logits_processors(logit_bias=dict(bias))
+        else:  # no drafting at all
+            overrides = SpeculationOverrides(num_draft_tokens=0)
+            sampling, processors = GREEDY, None
+        rid = f"row{i}"
+        requests.append(
+            GenerationRequest(
+                rid, tuple(prompt), max_tokens, sampling, ignore_eos=True, speculation=overrides
+            )
+        )
+        kw = {"logits_processors": processors} if processors else {}
+        expected[rid] = reference.greedy_tokens(prompt, max_tokens, **kw)
+    seqs, outputs, drafted = run_batch(engine, requests)
+    for rid, seq in seqs.items():
+        assert seq.generated == expected[rid], rid
+        assert [t for o in outputs[rid] for t in o.token_ids] == expected[rid]
+    assert drafted > 0, "rows drafted while batched"
+    methods = {m for seq in seqs.values() for m in seq.spec.by_method}
+    assert "draft" in methods
+    if n >= 2:
+        assert "pld" in methods
+    assert not seqs["row2"].spec.by_method if n > 2 else True, "a k=0 row never drafts"
+
+
+def test_rows_of_one_batch_roll_back_by_different_amounts(perturbed, reference):
+    """A partial-acceptance draft: some verifies accept different counts per row."""
+    _, engine = perturbed
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:4]]
+    requests = [greedy_request(f"r{i}", p, 60) for i, p in enumerate(prompts)]
+    seqs, _, _ = run_batch(engine, requests)
+    for i, p in enumerate(prompts):
+        assert seqs[f"r{i}"].generated == reference.greedy_tokens(p, 60)
+    accepted = [seqs[f"r{i}"].spec.accepted_tokens for i in range(4)]
+    drafted = [seqs[f"r{i}"].spec.draft_tokens for i in range(4)]
+    assert all(d > 0 for d in drafted) and any(
+        a < d for a, d in zip(accepted, drafted, strict=True)
+    )
+
+
+@pytest.mark.parametrize("max_tokens", [41, 42, 43])
+def test_max_tokens_inside_an_accepted_run_is_exact_in_a_batch(self_draft, reference, max_tokens):
+    _, engine = self_draft
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:2]]
+    requests = [greedy_request("a", prompts[0], max_tokens), greedy_request("b", prompts[1], 50)]
+    seqs, outputs, drafted = run_batch(engine, requests)
+    assert seqs["a"].generated == reference.greedy_tokens(prompts[0], max_tokens)
+    assert seqs["b"].generated == reference.greedy_tokens(prompts[1], 50)
+    assert outputs["a"][-1].finish_reason == FinishReason.LENGTH
+    assert max(len(o.token_ids) for o in outputs["a"]) > 1 and drafted > 0
+
+
+def test_stop_string_inside_an_accepted_run_in_a_batch(self_draft, reference):
+    _, engine = self_draft
+    tokenizer = reference.tokenizer
+    prompt = tokenizer.encode(PROMPTS[0])
+    detok = tokenizer.detokenizer
+    for token in reference.greedy_tokens(prompt, 80):
+        detok.add_token(token)
+    detok.finalize()
+    full = detok.text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    other = tokenizer.encode(PROMPTS[2])
+    requests = [
+        greedy_request("a", prompt, 80, stop=(stop,)),
+        greedy_request("b", other, 60),
+    ]
+    seqs, outputs, _ = run_batch(engine, requests)
+    assert "".join(o.text for o in outputs["a"]) == full[: full.index(stop)]
+    assert seqs["a"].matched_stop == stop
+    assert [t for o in outputs["a"] for t in o.token_ids] == seqs["a"].generated
+    assert seqs["b"].generated == reference.greedy_tokens(other, 60)
+
+
+def test_eos_inside_an_accepted_run_in_a_batch(self_draft, reference):
+    _, engine = self_draft
+    prompt = reference.tokenizer.encode("Hello, world!")
+    expected = reference.greedy_until_eos(prompt, 400)
+    assert expected[-1] in reference.tokenizer.eos_token_ids
+    other = reference.tokenizer.encode(PROMPTS[3])
+    requests = [
+        GenerationRequest("a", tuple(prompt), 400, GREEDY),
+        greedy_request("b", other, 50),
+    ]
+    seqs, _, _ = run_batch(engine, requests)
+    assert seqs["a"].generated == expected and seqs["a"].finish_reason == FinishReason.STOP
+    assert seqs["b"].generated == reference.greedy_tokens(other, 50)
+
+
+def test_rows_joining_and_cancelled_while_others_speculate_stay_exact(perturbed, reference):
+    _, engine = perturbed
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:4]]
+    first = [greedy_request("a", prompts[0], 70), greedy_request("b", prompts[1], 70)]
+    joining = {4: [greedy_request("c", prompts[2], 40)], 9: [greedy_request("d", prompts[3], 30)]}
+    seqs, _, drafted = run_batch(engine, first, join_after=joining, cancel_at={6: ["b"]})
+    assert seqs["a"].generated == reference.greedy_tokens(prompts[0], 70)
+    assert seqs["c"].generated == reference.greedy_tokens(prompts[2], 40)
+    assert seqs["d"].generated == reference.greedy_tokens(prompts[3], 30)
+    assert seqs["b"].finish_reason == FinishReason.CANCELLED
+    assert seqs["b"].generated == reference.greedy_tokens(prompts[1], len(seqs["b"].generated))
+    assert drafted > 0 and engine.batch_size == 0
+
+
+def test_migration_in_and_out_of_the_batch_keeps_draft_state_and_output(perturbed, reference):
+    """A sequence moves single-stream -> batch -> single-stream with its target cache,
+    its draft-model cache and its n-gram index; output equals uninterrupted decoding."""
+    spec, engine = perturbed
+    registry = engine.registry
+    prompt = reference.tokenizer.encode(PROMPTS[0])
+    request = greedy_request("m", prompt, 90)
+    seq = make_sequence(request, registry.tokenizer)
+    registry.transfer(spec.name)
+    spec.add(seq)
+    while len(seq.generated) < 20:
+        spec.step()
+    state, _ = spec.export()
+    assert state.draft is not None and state.draft.fed and state.pld is not None
+    registry.transfer(engine.name)
+    engine.insert(state)
+    other = greedy_request("o", reference.tokenizer.encode(PROMPTS[1]), 30)
+    other_seq = make_sequence(other, registry.tokenizer)
+    engine.add(other_seq)
+    while len(seq.generated) < 55:
+        engine.step()
+    back = engine.extract("m")
+    assert back.cached == len(seq.all_tokens) - 1
+    assert back.draft.fed == seq.all_tokens[: len(back.draft.fed)]
+    registry.transfer(spec.name)
+    spec.resume(back)
+    while spec.active is not None:
+        spec.step()
+    registry.transfer(engine.name)
+    while engine.batch_size:
+        engine.step()
+    assert seq.generated == reference.greedy_tokens(prompt, 90)
+    assert other_seq.generated == reference.greedy_tokens(other.prompt_tokens, 30)
+    assert seq.spec.by_method["draft"].draft_tokens > 0
+
+
+def test_each_row_has_its_own_ngram_index(tiny_model_dir, reference):
+    """PLD proposals come only from a row's own tokens, never another request's."""
+    _, engine = make_engines(tiny_model_dir)
+    tokenizer = reference.tokenizer
+    a = tokenizer.encode(CODE_PROMPT)
+    b = tokenizer.encode("zebra quokka narwhal axolotl")
+    requests = [greedy_request("a", a, 20), greedy_request("b", b, 20)]
+    seqs, _, _ = run_batch(engine, requests)
+    assert seqs["a"].generated == reference.greedy_tokens(a, 20)
+    assert seqs["b"].generated == reference.greedy_tokens(b, 20)
+    rows_seen = {id(row.pld) for row in engine.rows}
+    assert len(rows_seen) == len(engine.rows)
+
+
+# ---- sampled distribution ------------------------------------------------------------
+
+
+def _first_two(engine, prompt_ids, seeds, spec: bool, batch: int = 16):
+    overrides = SpeculationOverrides() if spec else SpeculationOverrides(num_draft_tokens=0)
+    pairs = []
+    for start in range(0, len(seeds), batch):
+        requests = [
+            GenerationRequest(
+                f"s{seed}",
+                tuple(prompt_ids),
+                2,
+                SamplingParams(temperature=0.8, top_k=6, seed=seed),
+                ignore_eos=True,
+                speculation=overrides,
+            )
+            for seed in seeds[start : start + batch]
+        ]
+        seqs, _, _ = run_batch(engine, requests)
+        pairs += [tuple(seqs[r.request_id].generated) for r in requests]
+    return pairs
+
+
+def test_sampled_rows_in_a_batch_match_plain_sampling_distribution(perturbed, reference):
+    _, engine = perturbed
+    prompt = reference.tokenizer.encode(PROMPTS[0])
+    base = zlib.crc32(b"batched-sampled") % 10_000
+    trials = 1200
+    spec = _first_two(engine, prompt, [base + i for i in range(trials)], spec=True)
+    plain = _first_two(engine, prompt, [base + trials + i for i in range(trials)], spec=False)
+    for position in (0, 1):
+        a = np.array([p[position] for p in spec])
+        b = np.array([p[position] for p in plain])
+        tokens = sorted(set(a) | set(b))
+        table = np.array([[np.sum(a == t) for t in tokens], [np.sum(b == t) for t in tokens]])
+        keep = table.sum(axis=0) >= 10
+        table = np.column_stack([table[:, keep], table[:, ~keep].sum(axis=1)])
+        table = table[:, table.sum(axis=0) > 0]
+        assert chi2_contingency(table).pvalue > 1e-3, (position, table)
+
+
+def test_state_handed_back_holds_exactly_the_committed_tokens(perturbed, reference):
+    _, engine = perturbed
+    prompt = reference.tokenizer.encode(PROMPTS[4])
+    seq = make_sequence(greedy_request("x", prompt, 40), reference.tokenizer)
+    engine.insert(SequenceState(seq, make_prompt_cache(engine.registry.target.model), 0))
+    engine.add(make_sequence(greedy_request("y", prompt, 40), reference.tokenizer))
+    for _ in range(6):
+        engine.step()
+    state = engine.extract("x")
+    assert all(layer.offset == state.cached for layer in state.cache)
+    assert state.cached == len(seq.all_tokens) - 1
+    engine.cancel("y")

@@ -44,7 +44,7 @@ from engines.gates import MethodGate, expected_tokens
 from engines.logprobs import token_logprobs
 from engines.ragged_cache import RaggedKVCache, ragged_from_rows
 from engines.registry import ModelRegistry
-from engines.sampling import filter_logprobs, sample_token
+from engines.sampling import coupled_tokens, filter_logprobs, sample_token
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
 
@@ -379,8 +379,9 @@ class BatchedSpeculativeEngine:
             if params.greedy and not row.seq.processors:
                 token = chosen[i]
             else:
+                position = len(row.seq.generated) + len(proposals[i])
                 token, q = choose_draft_token(
-                    logits[i : i + 1], params, row.seq.rng, row.seq.processors, history
+                    logits[i : i + 1], params, row.seq.rng, row.seq.processors, history, position
                 )
                 if q is not None:
                     probs[i].append(q[0])
@@ -457,18 +458,25 @@ class BatchedSpeculativeEngine:
         """(accepted drafts, next token) per row: greedy rows from one batched argmax,
         sampled rows by the rejection rule with their own settings and RNG."""
         argmax = mx.argmax(logprobs, axis=-1)
-        pending = {}
+        coupled, pending = {}, {}
         for i, (row, fed) in enumerate(zip(self.rows, fed_rows, strict=True)):
-            params = row.seq.request.sampling
+            params, rng = row.seq.request.sampling, row.seq.rng
+            position = len(row.seq.generated)
             if params.greedy:
+                continue
+            if rng.seeded:  # plain seeded samples per position, coupled with the drafts
+                coupled[i] = coupled_tokens(params, logprobs[i, : len(fed)], rng, position)
                 continue
             drafts = fed[1:]
             if not drafts:
-                pending[i] = (None, sample_token(params, logprobs[i, :1], row.seq.rng))
+                pending[i] = (None, sample_token(params, logprobs[i, :1], rng, position))
                 continue
             pending[i] = self._accept_sampled_row(row, logprobs[i, : len(fed)], drafts)
-        mx.eval(argmax, *[x for pair in pending.values() for x in pair if x is not None])
+        lazy = [x for pair in pending.values() for x in pair if x is not None]
+        mx.eval(argmax, *coupled.values(), *lazy)
         targets = argmax.tolist()
+        for i, tokens in coupled.items():
+            targets[i] = tokens.tolist()
         decisions = []
         for i, fed in enumerate(fed_rows):
             if i in pending:

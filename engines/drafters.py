@@ -131,7 +131,10 @@ class DraftModelDrafter:
         params: SamplingParams,
         rng: RandomStream,
         processors: list | None = None,
+        position: int = 0,
     ) -> Draft | None:
+        """Up to k draft tokens after `context`; `position` is the output position of
+        the first (a seeded request's draws are keyed by it)."""
         if k <= 0:
             return None
         logits = self._catch_up(state, context)
@@ -139,7 +142,9 @@ class DraftModelDrafter:
         tokens: list[int] = []
         probs = []
         for i in range(k):
-            token, q = choose_draft_token(logits[None], params, rng, processors, history)
+            token, q = choose_draft_token(
+                logits[None], params, rng, processors, history, position + i
+            )
             tokens.append(token)
             history.append(token)
             if q is not None:
@@ -185,14 +190,17 @@ def choose_draft_token(
     rng: RandomStream,
     processors: list | None,
     history: list[int],
+    position: int,
 ) -> tuple[int, mx.array | None]:
-    """The draft's next token from (1, V) logits after the request's processors:
-    argmax when greedy, else a sample from q (returned, (1, V) float32)."""
+    """The draft's next token (for output `position`) from (1, V) logits after the
+    request's processors: argmax when greedy, else a sample from q (returned, (1, V)
+    float32). A seeded request samples with the key the target will use at that
+    position, so draft and target draws are coupled."""
     for processor in processors or ():
         logits = processor(mx.array(history), logits)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if params.greedy:
         return int(mx.argmax(logprobs, axis=-1).item()), None
     q = mx.softmax(filter_logprobs(params, logprobs) * (1.0 / params.temperature), axis=-1)
-    token = mx.random.categorical(mx.log(q), key=rng.next_key())
+    token = mx.random.categorical(mx.log(q), key=rng.draw_key(position))
     return int(token.item()), q

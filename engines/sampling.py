@@ -51,23 +51,61 @@ def sampling_logits(params: SamplingParams, logprobs: mx.array) -> mx.array:
 
 @dataclass
 class RandomStream:
-    """A request's private RNG: a key that is split once per draw."""
+    """A request's private RNG.
+
+    Unseeded: a key split once per draw. Seeded: the randomness of the token at
+    output position n is a function of (seed, n) alone (`key_at`), so a seeded
+    request's tokens do not depend on how many draws drafting, batching or migration
+    made before it: it gives the same tokens alone or under load."""
 
     key: mx.array
+    seed: int | None = None
 
     @classmethod
     def from_seed(cls, seed: int | None) -> RandomStream:
         if seed is None:
-            seed = secrets.randbits(63)
-        return cls(mx.random.key(seed % (1 << 64)))
+            return cls(mx.random.key(secrets.randbits(63)))
+        return cls(mx.random.key(seed % (1 << 64)), seed % (1 << 64))
+
+    @property
+    def seeded(self) -> bool:
+        return self.seed is not None
 
     def next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
         return sub
 
+    def key_at(self, position: int) -> mx.array:
+        """The key for the token at output `position` of a seeded request."""
+        return mx.random.key((self.seed * _POSITION_MIX + position) % (1 << 64))
 
-def sample_token(params: SamplingParams, logprobs: mx.array, rng: RandomStream) -> mx.array:
-    """Choose the next token from normalised log-probabilities of shape (1, vocab)."""
+    def draw_key(self, position: int) -> mx.array:
+        """The key to sample output `position` with: position-keyed when seeded."""
+        return self.key_at(position) if self.seeded else self.next_key()
+
+
+_POSITION_MIX = 0x9E3779B97F4A7C15  # spreads seeds apart so (seed, position) pairs differ
+
+
+def sample_token(
+    params: SamplingParams, logprobs: mx.array, rng: RandomStream, position: int
+) -> mx.array:
+    """Choose the token at output `position` from normalised log-probabilities of
+    shape (1, vocab)."""
     if params.greedy:
         return mx.argmax(logprobs, axis=-1)
-    return mx.random.categorical(sampling_logits(params, logprobs), key=rng.next_key())
+    return mx.random.categorical(sampling_logits(params, logprobs), key=rng.draw_key(position))
+
+
+def coupled_tokens(
+    params: SamplingParams, logprobs: mx.array, rng: RandomStream, position: int
+) -> mx.array:
+    """For a seeded request: the token each of the n rows of `logprobs` (n, vocab)
+    would get from a plain step at output positions position..position+n-1, drawn
+    with the same per-position keys. Verifying drafts against these (accept while
+    equal) commits exactly the tokens plain seeded sampling gives."""
+    rows = [
+        sample_token(params, logprobs[j : j + 1], rng, position + j)
+        for j in range(logprobs.shape[0])
+    ]
+    return mx.concatenate(rows)

@@ -35,7 +35,7 @@ from engines.gates import CostModel, MethodGate, OnlineCosts, prompt_repetition_
 from engines.logprobs import token_logprob, token_logprobs
 from engines.registry import ModelRegistry
 from engines.rollback import trim_exact
-from engines.sampling import filter_logprobs, sample_token
+from engines.sampling import coupled_tokens, filter_logprobs, sample_token
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.telemetry import SpecStats
 
@@ -222,7 +222,7 @@ class SpeculativeEngine:
                 self.costs.observe_verify(len(draft.tokens) + 1, time.perf_counter() - proposed)
                 return outputs
             active.in_flight, active.in_flight_logprobs = self._forward_and_sample(
-                active, mx.array(active.tokens[-1:])
+                active, mx.array(active.tokens[-1:]), len(active.seq.generated)
             )
             active.cached += 1
             return self._commit_in_flight(pipeline=True)
@@ -244,16 +244,19 @@ class SpeculativeEngine:
         active.cached += chunk.size
         mx.clear_cache()
 
-    def _forward_and_sample(self, active: _Active, tokens: mx.array) -> tuple[mx.array, mx.array]:
-        """One plain target step on `tokens` (shape (1,)); returns the sampled token and
-        the log-probabilities it was sampled from (lazy arrays)."""
+    def _forward_and_sample(
+        self, active: _Active, tokens: mx.array, position: int
+    ) -> tuple[mx.array, mx.array]:
+        """One plain target step on `tokens` (shape (1,)); returns the token sampled for
+        output `position` and the log-probabilities it was sampled from (lazy arrays)."""
         logits = self.model(tokens[None], cache=active.cache)[:, -1, :]
         if active.processors:
             active.history = mx.concat([active.history, tokens])
             for processor in active.processors:
                 logits = processor(active.history, logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return sample_token(active.seq.request.sampling, logprobs, active.seq.rng), logprobs
+        params, rng = active.seq.request.sampling, active.seq.rng
+        return sample_token(params, logprobs, rng, position), logprobs
 
     def _commit_in_flight(self, pipeline: bool) -> list[StepOutput]:
         active = self.active
@@ -262,7 +265,10 @@ class SpeculativeEngine:
         active.in_flight = active.in_flight_logprobs = None
         tokens_left = seq.request.max_tokens - len(seq.generated) - 1
         if pipeline and tokens_left > 0 and self._next_step_is_plain(active):
-            active.in_flight, active.in_flight_logprobs = self._forward_and_sample(active, current)
+            # `current` is the token at output position len(generated); this samples the next.
+            active.in_flight, active.in_flight_logprobs = self._forward_and_sample(
+                active, current, len(seq.generated) + 1
+            )
             mx.async_eval(active.in_flight)
             active.cached += 1
         for gate in active.gates.values():
@@ -289,7 +295,13 @@ class SpeculativeEngine:
         if k == 0 or (pld_draft is not None and self._prefer_pld(active, pld_draft, k)):
             return pld_draft
         return self.drafter.propose(
-            active.draft, active.tokens, k, seq.request.sampling, seq.rng, active.processors
+            active.draft,
+            active.tokens,
+            k,
+            seq.request.sampling,
+            seq.rng,
+            active.processors,
+            position=len(seq.generated),
         )
 
     def _prefer_pld(self, active: _Active, pld_draft: Draft, draft_k: int) -> bool:
@@ -320,8 +332,14 @@ class SpeculativeEngine:
         fed = [active.tokens[-1], *draft.tokens]
         logits = self.model(mx.array(fed)[None], cache=active.cache)[0]
         logprobs = self._process_rows(active, logits, fed)
-        if params.greedy:
-            target = mx.argmax(logprobs, axis=-1).tolist()
+        if params.greedy or seq.rng.seeded:
+            # Greedy: the argmax. Seeded: each position's plain seeded sample (coupled
+            # with the draft's draws), so the tokens are those of plain decoding.
+            target = (
+                mx.argmax(logprobs, axis=-1)
+                if params.greedy
+                else coupled_tokens(params, logprobs, seq.rng, len(seq.generated))
+            ).tolist()
             accepted = accept_greedy(target, draft.tokens)
             next_token = target[accepted]
         else:

@@ -19,6 +19,7 @@ from engines.gates import CostModel
 from engines.ragged_cache import RaggedKVCache, ragged_from_rows
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
+from engines.sampling import RandomStream
 from engines.sequence import FinishReason, make_sequence
 from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
 
@@ -65,13 +66,18 @@ def repetitive_bias(tokenizer, n_tokens: int = 3) -> tuple:
     return tuple((t, 8.0) for t in ids)
 
 
-def run_batch(engine, requests, join_after: dict | None = None, cancel_at: dict | None = None):
+def run_batch(
+    engine, requests, join_after: dict | None = None, cancel_at: dict | None = None, rngs=None
+):
     """Step the engine until every sequence finished; `join_after[step]` lists requests
-    added at that step, `cancel_at[step]` request ids cancelled before it."""
+    added at that step, `cancel_at[step]` request ids cancelled before it; `rngs` gives
+    some requests a fixed RNG."""
     seqs = {}
     tokenizer = engine.registry.tokenizer
     for request in requests:
         seqs[request.request_id] = make_sequence(request, tokenizer)
+        if rngs and request.request_id in rngs:
+            seqs[request.request_id].rng = rngs[request.request_id]
         engine.add(seqs[request.request_id])
     outputs: dict[str, list] = {rid: [] for rid in seqs}
     drafted_in_batch = 0
@@ -319,6 +325,8 @@ def test_each_row_has_its_own_ngram_index(tiny_model_dir, reference):
 
 
 def _first_two(engine, prompt_ids, seeds, spec: bool, batch: int = 16):
+    """First two tokens of unseeded sampled requests (the Leviathan rule), each RNG
+    started from a fixed key so the test is repeatable, `batch` rows at a time."""
     overrides = SpeculationOverrides() if spec else SpeculationOverrides(num_draft_tokens=0)
     pairs = []
     for start in range(0, len(seeds), batch):
@@ -327,13 +335,16 @@ def _first_two(engine, prompt_ids, seeds, spec: bool, batch: int = 16):
                 f"s{seed}",
                 tuple(prompt_ids),
                 2,
-                SamplingParams(temperature=0.8, top_k=6, seed=seed),
+                SamplingParams(temperature=0.8, top_k=6),
                 ignore_eos=True,
                 speculation=overrides,
             )
             for seed in seeds[start : start + batch]
         ]
-        seqs, _, _ = run_batch(engine, requests)
+        rngs = {
+            f"s{seed}": RandomStream(mx.random.key(seed)) for seed in seeds[start : start + batch]
+        }
+        seqs, _, _ = run_batch(engine, requests, rngs=rngs)
         pairs += [tuple(seqs[r.request_id].generated) for r in requests]
     return pairs
 
@@ -368,3 +379,25 @@ def test_state_handed_back_holds_exactly_the_committed_tokens(perturbed, referen
     assert all(layer.offset == state.cached for layer in state.cache)
     assert state.cached == len(seq.all_tokens) - 1
     engine.cancel("y")
+
+
+def test_seeded_rows_give_their_solo_plain_seeded_tokens_in_any_batch(perturbed, reference):
+    """A seeded request's tokens depend on (seed, position) only: the same with or
+    without drafting, alone or beside other rows."""
+    _, engine = perturbed
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:4]]
+
+    def seeded(rid, prompt, k=None):
+        params = SamplingParams(temperature=0.9, top_p=0.95, seed=77)
+        overrides = SpeculationOverrides(num_draft_tokens=k)
+        return GenerationRequest(
+            rid, tuple(prompt), 50, params, ignore_eos=True, speculation=overrides
+        )
+
+    alone, _, _ = run_batch(engine, [seeded("a", prompts[0], k=0)])
+    crowd = [seeded("a", prompts[0])] + [
+        greedy_request(f"o{i}", p, 40 + 5 * i) for i, p in enumerate(prompts[1:])
+    ]
+    together, _, drafted = run_batch(engine, crowd)
+    assert together["a"].generated == alone["a"].generated
+    assert together["a"].spec.draft_tokens > 0 and drafted > 0

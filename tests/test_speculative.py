@@ -4,6 +4,7 @@ back on, and state that can be exported and resumed without changing the output.
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_logits_processors
@@ -12,6 +13,7 @@ from scipy.stats import chi2_contingency
 from engines.gates import CostModel
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
+from engines.sampling import RandomStream
 from engines.sequence import FinishReason, make_sequence
 from engines.speculative import SpecConfig, SpeculativeEngine
 
@@ -30,9 +32,11 @@ def make_engine(target_dir, draft_dir=None, **config) -> SpeculativeEngine:
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def run(engine, prompt_ids, max_tokens, *, sampling=GREEDY, **kw):
+def run(engine, prompt_ids, max_tokens, *, sampling=GREEDY, rng=None, **kw):
     request = GenerationRequest("r", tuple(prompt_ids), max_tokens, sampling, **kw)
     seq = make_sequence(request, engine.registry.tokenizer)
+    if rng is not None:
+        seq.rng = rng
     engine.add(seq)
     outputs = []
     while engine.active is not None:
@@ -247,9 +251,18 @@ def first_tokens(engine, prompt_ids, trials: int, spec: bool) -> list[tuple[int,
     )
     pairs = []
     for seed in range(trials):
-        params = SamplingParams(temperature=0.8, top_k=6, seed=seed)
+        # An unseeded request's RNG (sequential draws: the Leviathan rejection rule),
+        # started from a fixed key so the test is repeatable.
+        rng = RandomStream(mx.random.key(seed + (0 if spec else trials)))
+        params = SamplingParams(temperature=0.8, top_k=6)
         seq, _ = run(
-            engine, prompt_ids, 2, sampling=params, ignore_eos=True, speculation=sampling_overrides
+            engine,
+            prompt_ids,
+            2,
+            sampling=params,
+            rng=rng,
+            ignore_eos=True,
+            speculation=sampling_overrides,
         )
         pairs.append(tuple(seq.generated))
     return pairs
@@ -270,3 +283,28 @@ def test_sampled_speculative_first_tokens_match_plain_distribution(perturbed_eng
         table = table[:, table.sum(axis=0) > 0]
         assert chi2_contingency(table).pvalue > 1e-3, (position, table)
     assert perturbed_engine.totals.by_method["draft"].accepted_tokens > 0
+
+
+@pytest.mark.parametrize("engine_name", ["perturbed", "pld"])
+def test_seeded_sampling_gives_plain_seeded_tokens_whatever_the_drafting(
+    request, reference, engine_name
+):
+    """A seeded request's randomness is keyed by (seed, position), and drafts are
+    verified against the plain seeded sample at each position: drafting on or off,
+    and any draft length, give the same tokens."""
+    engine = request.getfixturevalue(f"{engine_name}_engine")
+    prompt_ids = reference.tokenizer.encode(CODE_PROMPT)
+    params = SamplingParams(temperature=0.8, top_k=20, seed=1234)
+    outputs = []
+    for overrides in (
+        SpeculationOverrides(num_draft_tokens=0),
+        SpeculationOverrides(),
+        SpeculationOverrides(num_draft_tokens=2),
+    ):
+        seq, _ = run(
+            engine, prompt_ids, 60, sampling=params, ignore_eos=True, speculation=overrides
+        )
+        outputs.append(seq.generated)
+        if overrides.num_draft_tokens != 0 and engine_name == "perturbed":
+            assert seq.spec.accepted_tokens > 0
+    assert outputs[0] == outputs[1] == outputs[2]

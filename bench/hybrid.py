@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
         add_peers(results, args, levels)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2, default=str))
-    plot(results, args)
     print(report(results, levels))
+    plot(results, args)
     return results
 
 
@@ -160,7 +160,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def measure(url: str, levels: list[int], args: argparse.Namespace, model: str | None = None):
+def measure(
+    url: str, levels: list[int], args: argparse.Namespace, model: str | None = None
+) -> dict:
     """`tandem bench serve` against `url`, one level at a time: {"levels", "blas"}."""
     by_level, blas = {}, {}
     for level in levels:
@@ -207,7 +209,8 @@ def add_peers(results: dict, args: argparse.Namespace, levels: list[int]) -> Non
 
 
 def plot(results: dict, args: argparse.Namespace) -> None:
-    """Every mode and peer as one line of `tandem bench plot`'s panels."""
+    """Every mode and peer as one line of `tandem bench plot`'s panels. Without
+    matplotlib the default PNG is skipped (an explicit `--plot` fails)."""
     from bench.plot import plot_results
 
     rows = {**results["modes"], **results.get("peers", {})}
@@ -219,7 +222,15 @@ def plot(results: dict, args: argparse.Namespace) -> None:
     lines = [
         (name, {**shared, "levels": list(data["levels"].values())}) for name, data in rows.items()
     ]
-    plot_results(lines, args.plot or args.output.with_suffix(".png"))
+    path = args.plot or args.output.with_suffix(".png")
+    try:
+        plot_results(lines, path)
+    except SystemExit as missing:
+        if args.plot:
+            raise
+        print(f"no plot: {missing}")
+        return
+    print(f"plot: {path}")
 
 
 def report(results: dict, levels: list[int]) -> str:

@@ -96,12 +96,14 @@ def peer_command(model: str, port: int, config: PeerConfig) -> list[str]:
 
 def peer_env() -> dict[str, str]:
     """This environment with the fast BLAS that `tandem serve` would preload on Linux
-    CPU (`engines.blas.find_fast_blas`) added to LD_PRELOAD, so both compute alike."""
+    CPU (`engines.blas.find_fast_blas`) added to LD_PRELOAD, so both compute alike;
+    unchanged where Tandem would not preload (TANDEM_NO_BLAS_PRELOAD)."""
     from engines.blas import FAST_BLAS_PATTERN, find_fast_blas
 
     env = dict(os.environ)
     preload = env.get("LD_PRELOAD", "")
-    fast = find_fast_blas() if sys.platform.startswith("linux") else None
+    preloads = sys.platform.startswith("linux") and not env.get("TANDEM_NO_BLAS_PRELOAD")
+    fast = find_fast_blas() if preloads else None
     if fast and not FAST_BLAS_PATTERN.search(preload):
         env["LD_PRELOAD"] = ":".join(p for p in (fast, preload) if p)
     return env

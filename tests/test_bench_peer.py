@@ -100,10 +100,14 @@ def test_peer_gets_the_fast_blas_tandem_would_preload(monkeypatch):
 
     monkeypatch.setattr(engines.blas, "find_fast_blas", lambda: "/opt/libopenblas.so.0")
     monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.delenv("TANDEM_NO_BLAS_PRELOAD", raising=False)
     monkeypatch.setenv("LD_PRELOAD", "/x/libfoo.so")
     assert peer_env()["LD_PRELOAD"] == "/opt/libopenblas.so.0:/x/libfoo.so"
     monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libopenblas.so.0")
     assert peer_env()["LD_PRELOAD"] == "/usr/lib/libopenblas.so.0"
+    monkeypatch.setenv("LD_PRELOAD", "/x/libfoo.so")
+    monkeypatch.setenv("TANDEM_NO_BLAS_PRELOAD", "1")  # tandem serve would not preload
+    assert peer_env()["LD_PRELOAD"] == "/x/libfoo.so"
 
 
 def test_peer_options_need_a_peer():
@@ -218,3 +222,25 @@ def test_plot_draws_a_line_per_server(peer_run):
     assert plot.read_bytes().startswith(b"\x89PNG")
     labels = [label for label, _ in with_peers("tandem", result)]
     assert labels == ["tandem", "tandem: mlx_lm", "tandem: mlx_lm+draft"]
+
+
+@pytest.mark.slow
+def test_bench_hybrid_runs_the_peers_next_to_the_four_modes(
+    tiny_model_dir, perturbed_draft_dir, tmp_path
+):
+    output = tmp_path / "hybrid.json"
+    results = hybrid.main(
+        [str(tiny_model_dir), "--draft-model", str(perturbed_draft_dir), "--concurrency", "1,2"]
+        + ["--max-tokens", str(MAX_TOKENS), "--prompts-per-level", "2", "--dataset", "novel"]
+        + ["--output", str(output)]
+    )
+    assert list(results["peers"]) == ["mlx_lm", "mlx_lm+draft"]
+    for peer in results["peers"].values():
+        assert set(peer["levels"]) == {1, 2}
+        assert all(row["completed"] == 4 and row["failed"] == 0 for row in peer["levels"].values())
+        assert peer["blas"]["blas"] == results["blas"]
+    assert set(results["peer_comparison"]) == {"hybrid", "hybrid-wait"}
+    for comparison in results["peer_comparison"].values():
+        assert all(cmp["output_throughput_ratio"] > 0 for cmp in comparison.values())
+    assert json.loads(output.read_text())["peer_comparison"]["hybrid"]["1"]["best_peer"]
+    assert output.with_suffix(".png").read_bytes().startswith(b"\x89PNG")

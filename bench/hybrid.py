@@ -2,6 +2,7 @@
 of a mode switch.
 
     tandem bench hybrid MODEL [--draft-model D] [--concurrency 1,2,4,8] [--max-tokens 64]
+        [--peer mlx_lm|none]
 
 Starts `tandem serve` four times on 127.0.0.1 -- hybrid (--batch-threshold 2),
 hybrid-wait (the same with --spec-wait-budget: newcomers may wait that long for a
@@ -11,6 +12,11 @@ wait) -- and load-tests each with `tandem bench serve`.
 Then, against the hybrid server, one long stream runs alone (speculative) and a
 second request arrives mid-stream: it reports the newcomer's TTFT and the first
 stream's largest inter-token gap around the switch vs its median gap.
+
+With `--peer mlx_lm` (the default; `--peer none` skips it) the same levels also run
+against `mlx_lm.server` on the same model (and, given a draft, `mlx_lm.server
+--draft-model`), and both hybrid rows are compared with the better peer row at each
+concurrency (`bench/peer.py`). Table, JSON and PNG hold every row.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ from pathlib import Path
 import httpx
 
 from bench.models import resolve_model
+from bench.peer import PEER_MODEL_ID, add_peer_arguments, compare, comparison_lines, measure_peers
 from bench.serve import main as bench_serve
-from bench.single_stream import free_port, start_server
+from bench.single_stream import free_port, start_server, stop_server
 
 MODES = {
     "hybrid": ["--batch-threshold", "2"],
@@ -41,14 +48,6 @@ SWITCH_PROMPT = "Once upon a time, there was a little girl named Lily. She loved
 def start_mode(model: str, draft: str | None, extra: list[str], port: int) -> subprocess.Popen:
     flags = ["--max-tokens", "4096", *extra, *(["--draft-model", draft] if draft else [])]
     return start_server(model, port, flags)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 def stream_times(url: str, max_tokens: int, stamps: list[float], started: list[float]) -> None:
@@ -104,6 +103,39 @@ def mode_switches(url: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    model = resolve_model(args.model)
+    draft = resolve_model(args.draft_model) if args.draft_model else None
+    levels = [int(c) for c in args.concurrency.split(",")]
+    results: dict = {
+        "model": model,
+        "draft": draft,
+        "blas": "unknown",
+        "modes": {},
+    }
+    for name, extra in MODES.items():
+        extra = [str(args.spec_wait_budget) if flag == "WAIT" else flag for flag in extra]
+        port = free_port()
+        proc = start_mode(model, draft, extra, port)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            measured = measure(url, levels, args)
+            results["blas"] = measured["blas"].get("blas", "unknown")
+            results["modes"][name] = {"levels": measured["levels"], "switches": mode_switches(url)}
+            if name == "hybrid":
+                results["switch"] = switch_probe(url, 240, 10, 24)
+        finally:
+            stop_server(proc)
+    if args.peer != "none":
+        add_peers(results, args, levels)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2, default=str))
+    print(report(results, levels))
+    plot(results, args)
+    return results
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tandem bench hybrid", description=__doc__)
     parser.add_argument("model")
     parser.add_argument("--draft-model")
@@ -123,68 +155,95 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--dataset", default="mixed")
     parser.add_argument("--output", type=Path, default=Path("bench/results/hybrid.json"))
-    args = parser.parse_args(argv)
+    parser.add_argument("--plot", type=Path, help="PNG (default: the --output path, .png)")
+    add_peer_arguments(parser, default="mlx_lm")
+    return parser.parse_args(argv)
 
-    model = resolve_model(args.model)
-    draft = resolve_model(args.draft_model) if args.draft_model else None
-    levels = [int(c) for c in args.concurrency.split(",")]
-    results: dict = {
-        "model": model,
-        "draft": draft,
-        "blas": "unknown",
-        "modes": {},
+
+def measure(
+    url: str, levels: list[int], args: argparse.Namespace, model: str | None = None
+) -> dict:
+    """`tandem bench serve` against `url`, one level at a time: {"levels", "blas"}."""
+    by_level, blas = {}, {}
+    for level in levels:
+        out = bench_serve(
+            [
+                "--base-url",
+                url,
+                *(["--model", model] if model else []),
+                "--concurrency",
+                str(level),
+                "--endpoint",
+                "completions",
+                "--num-prompts",
+                str(max(4, args.prompts_per_level * level)),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--dataset",
+                args.dataset,
+                "--ignore-eos",
+                "--warmup",
+                "1",
+            ]
+        )
+        by_level[level] = out["levels"][0]
+        blas = out["server"]["blas"]
+    return {"levels": by_level, "blas": blas}
+
+
+def add_peers(results: dict, args: argparse.Namespace, levels: list[int]) -> None:
+    """mlx_lm.server (and with a draft, mlx_lm.server --draft-model) measured like the
+    modes; the hybrid rows compared with the better peer row at each level."""
+    peers = measure_peers(
+        results["model"],
+        results["draft"],
+        lambda url: measure(url, levels, args, model=PEER_MODEL_ID),
+        args.peer_num_draft_tokens,
+    )
+    peer_levels = {name: peer["levels"] for name, peer in peers.items()}
+    results["peers"] = peers
+    results["peer_comparison"] = {
+        name: compare(results["modes"][name]["levels"], peer_levels)
+        for name in ("hybrid", "hybrid-wait")
     }
-    for name, extra in MODES.items():
-        extra = [str(args.spec_wait_budget) if flag == "WAIT" else flag for flag in extra]
-        port = free_port()
-        proc = start_mode(model, draft, extra, port)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            by_level = {}
-            for level in levels:
-                out = bench_serve(
-                    [
-                        "--base-url",
-                        url,
-                        "--concurrency",
-                        str(level),
-                        "--endpoint",
-                        "completions",
-                        "--num-prompts",
-                        str(max(4, args.prompts_per_level * level)),
-                        "--max-tokens",
-                        str(args.max_tokens),
-                        "--dataset",
-                        args.dataset,
-                        "--ignore-eos",
-                        "--warmup",
-                        "1",
-                    ]
-                )
-                by_level[level] = out["levels"][0]
-                results["blas"] = out["server"]["blas"].get("blas", "unknown")
-            results["modes"][name] = {"levels": by_level, "switches": mode_switches(url)}
-            if name == "hybrid":
-                results["switch"] = switch_probe(url, 240, 10, 24)
-        finally:
-            stop(proc)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2, default=str))
-    print(report(results, levels))
-    return results
+
+
+def plot(results: dict, args: argparse.Namespace) -> None:
+    """Every mode and peer as one line of `tandem bench plot`'s panels. Without
+    matplotlib the default PNG is skipped (an explicit `--plot` fails)."""
+    from bench.plot import plot_results
+
+    rows = {**results["modes"], **results.get("peers", {})}
+    shared = {
+        "dataset": args.dataset,
+        "endpoint": "completions",
+        "settings": {"max_tokens": args.max_tokens},
+    }
+    lines = [
+        (name, {**shared, "levels": list(data["levels"].values())}) for name, data in rows.items()
+    ]
+    path = args.plot or args.output.with_suffix(".png")
+    try:
+        plot_results(lines, path)
+    except SystemExit as missing:
+        if args.plot:
+            raise
+        print(f"no plot: {missing}")
+        return
+    print(f"plot: {path}")
 
 
 def report(results: dict, levels: list[int]) -> str:
     lines = [
         f"model {results['model']}  draft {results['draft']}  BLAS {results['blas']}",
-        f"{'mode':11} {'conc':>4} {'out tok/s':>10} {'p50 TTFT ms':>12} "
+        f"{'mode':12} {'conc':>4} {'out tok/s':>10} {'p50 TTFT ms':>12} "
         f"{'p50 ITL ms':>11} {'p99 ITL ms':>11}",
     ]
-    for name, data in results["modes"].items():
+    for name, data in {**results["modes"], **results.get("peers", {})}.items():
         for level in levels:
             row = data["levels"][level]
             lines.append(
-                f"{name:11} {level:>4} {row['output_throughput']:>10.1f} "
+                f"{name:12} {level:>4} {row['output_throughput']:>10.1f} "
                 f"{row['median_ttft_ms'] or 0:>12.1f} {row['p50_itl_ms'] or 0:>11.1f} "
                 f"{row['p99_itl_ms'] or 0:>11.1f}"
             )
@@ -203,6 +262,13 @@ def report(results: dict, levels: list[int]) -> str:
             lines.append(
                 f"{name} / best(batch-only, spec-only) at c={level}: {rate / best[level]:.2f}"
             )
+    for name, peer in results.get("peers", {}).items():
+        blas = peer["blas"]
+        lines.append(f"peer {name}: {' '.join(peer['peer']['command'])}")
+        lines.append(f"  BLAS {blas.get('blas', 'unknown')} ({blas.get('library')})")
+    peers = list(results.get("peers", {}))
+    for name, comparison in results.get("peer_comparison", {}).items():
+        lines.extend(comparison_lines(name, comparison, peers))
     switch = results.get("switch", {})
     if switch:
         lines.append(

@@ -2,7 +2,8 @@
 
 Three panels against concurrency: output throughput, TTFT p50/p99 and ITL p50/p99.
 Several result files overlay, one colour each, labelled by file name, so two servers
-(or two settings) measured with the same harness compare at a glance.
+(or two settings) measured with the same harness compare at a glance; the peers of a
+`--peer` run get their own colours.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ def series(result: dict[str, Any], key: str) -> tuple[list[int], list[float]]:
         [level["concurrency"] for level in levels],
         [math.nan if value is None else float(value) for value in values],
     )
+
+
+def with_peers(label: str, result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """A result and, when it was run with `--peer`, each peer's result as its own line."""
+    peers = result.get("peers") or {}
+    return [(label, result), *((f"{label}: {name}", peer) for name, peer in peers.items())]
 
 
 def plot_results(results: Sequence[tuple[str, dict[str, Any]]], path: Path) -> None:
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("results", nargs="+", type=Path, help="result JSON files")
     parser.add_argument("-o", "--output", type=Path, required=True, help="PNG to write")
     args = parser.parse_args(argv)
-    results = [(path.stem, load_result(path)) for path in args.results]
+    results = [line for path in args.results for line in with_peers(path.stem, load_result(path))]
     plot_results(results, args.output)
     print(f"wrote {args.output}")
 

@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from bench.blas_probe import is_loopback, server_blas
+from bench.peer import add_peer_arguments, peer_report, run_with_peers
 from bench.stats import (
     RequestRecord,
     aggregate,
@@ -85,6 +86,10 @@ class Settings:
     warmup: int
     output: Path | None
     plot: Path | None
+    peer: str = "none"
+    peer_model: str | None = None
+    peer_draft_model: str | None = None
+    peer_num_draft_tokens: int | None = None
 
 
 @dataclass
@@ -182,6 +187,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--warmup", type=int, default=1, help="unmeasured requests first (cold-start costs)"
     )
+    add_peer_arguments(parser, default="none")
+    parser.add_argument(
+        "--peer-model", help="the peer's model path (default: the served model's /v1/models root)"
+    )
+    parser.add_argument(
+        "--peer-draft-model", help="also run the peer with this draft (--draft-model)"
+    )
     return parser.parse_args(argv)
 
 
@@ -198,6 +210,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise SystemExit("--num-prompts, --max-tokens and --max-requests must be >= 1")
     if args.request_rate <= 0:
         raise SystemExit("--request-rate must be > 0")
+    if args.peer == "none" and (args.peer_model or args.peer_draft_model):
+        raise SystemExit("--peer-model and --peer-draft-model need --peer mlx_lm")
     return Settings(
         base_url=base_url,
         model=args.model,
@@ -218,6 +232,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         warmup=max(0, args.warmup),
         output=args.output,
         plot=args.plot,
+        peer=args.peer,
+        peer_model=args.peer_model,
+        peer_draft_model=args.peer_draft_model,
+        peer_num_draft_tokens=args.peer_num_draft_tokens,
     )
 
 
@@ -672,10 +690,13 @@ def write_outputs(result: dict[str, Any], settings: Settings) -> None:
         settings.output.parent.mkdir(parents=True, exist_ok=True)
         settings.output.write_text(json.dumps(result, indent=2) + "\n")
     if settings.plot:
-        from bench.plot import plot_results
+        from bench.plot import plot_results, with_peers
 
-        label = settings.output.stem if settings.output else result["model"]
-        plot_results([(label, result)], settings.plot)
+        plot_results(with_peers(result_label(result, settings), result), settings.plot)
+
+
+def result_label(result: dict[str, Any], settings: Settings) -> str:
+    return settings.output.stem if settings.output else result["model"]
 
 
 def make_progress(total: int, description: str):
@@ -708,9 +729,14 @@ class LineCounter:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run, print the table, write JSON/PNG; exit 1 on greedy mismatches."""
     settings = settings_from_args(parse_args(argv))
-    result = asyncio.run(run_benchmark(settings))
+    if settings.peer == "none":
+        result = asyncio.run(run_benchmark(settings))
+    else:
+        result = run_with_peers(settings, lambda run: asyncio.run(run_benchmark(run)))
     write_outputs(result, settings)
     print(format_table(result))
+    if result.get("peers"):
+        print(peer_report(result, result_label(result, settings), format_table))
     check = result["greedy_check"]
     if check and check["mismatches"]:
         raise SystemExit(

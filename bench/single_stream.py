@@ -47,19 +47,49 @@ def start_server(model: str, port: int, extra: list[str] | tuple = ()) -> subpro
         "warning",
         *extra,
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return start_process(cmd, port)
+
+
+def start_process(
+    cmd: list[str], port: int, env: dict[str, str] | None = None, log: Path | None = None
+) -> subprocess.Popen:
+    """Start the server `cmd` (listening on 127.0.0.1:port) and wait until its
+    `GET /health` answers 200. Its output goes to `log` (quoted when it fails to
+    start), or nowhere."""
+    out = log.open("w") if log else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    finally:
+        if log:
+            out.close()
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit("server exited during startup")
+            raise SystemExit(f"server exited during startup: {cmd[0]}{log_tail(log)}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return proc
         except httpx.TransportError:
             pass
         time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("server did not become healthy")
+    stop_server(proc)
+    raise SystemExit(f"server did not become healthy: {cmd[0]}{log_tail(log)}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def log_tail(log: Path | None, lines: int = 20) -> str:
+    if log is None or not log.exists():
+        return ""
+    tail = log.read_text(errors="replace").splitlines()[-lines:]
+    return f"\n--- last lines of {log} ---\n" + "\n".join(tail)
 
 
 def server_decode_rate(port: int, max_tokens: int) -> float:
@@ -120,8 +150,7 @@ def main() -> None:
             ours.append(server_decode_rate(port, args.max_tokens))
             theirs.append(mlx_lm_decode_rate(model, tokenizer, args.max_tokens))
     finally:
-        server.terminate()
-        server.wait(30)
+        stop_server(server)
     served, plain = statistics.median(ours), statistics.median(theirs)
     print(f"model      {args.model} ({model_path}), {n_params / 1e6:.1f}M params")
     print(

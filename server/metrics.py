@@ -377,4 +377,10 @@ class _LiveGauges(Collector):
             "tandem_blas_info", "The BLAS MLX uses (1).", labels=["model_name", "library"]
         )
         blas.add_metric([m, self.metrics.blas], 1.0)
-        yield from (running, waiting, mode, memory, blas)
+        supported = GaugeMetricFamily(
+            "tandem_speculation_supported",
+            "1 when the model's KV caches roll back, so drafting can run; 0 serves it plainly.",
+            labels=["model_name"],
+        )
+        supported.add_metric([m], 1.0 if scheduler.speculation_supported else 0.0)
+        yield from (running, waiting, mode, memory, blas, supported)

@@ -54,6 +54,7 @@ EXPORTED_METRICS = frozenset(
         "tandem_step_overhead_seconds",
         "tandem_memory_bytes",
         "tandem_blas_info",
+        "tandem_speculation_supported",
         "tandem_request_errors_total",
         "tandem_client_disconnects_total",
     }
@@ -81,6 +82,7 @@ GAUGES = frozenset(
         "tandem_engine_mode",
         "tandem_memory_bytes",
         "tandem_blas_info",
+        "tandem_speculation_supported",
     }
 )
 METRIC_RE = re.compile(r"\b(vllm:[a-z0-9_:]+|tandem_[a-z0-9_]+)")

@@ -194,3 +194,31 @@ async def test_queue_bound_gives_503_quickly_and_the_rest_complete(tiny_model_di
         assert all(r.json()["usage"]["completion_tokens"] == 150 for r in ok)
     finally:
         scheduler.stop()
+
+
+async def test_a_seeded_request_gives_the_same_tokens_alone_and_under_load(
+    tiny_model_dir, perturbed_draft_dir, reference
+):
+    """With the real (measured, learning) cost model, k, migration and batching vary
+    with load; a seeded request's tokens must not."""
+    scheduler = start_scheduler(
+        tiny_model_dir, draft_model=str(perturbed_draft_dir), cost_model=None
+    )
+    try:
+        prompt = reference.tokenizer.encode(PROMPTS[0])
+        params = SamplingParams(temperature=0.9, top_k=40, seed=2024)
+
+        def seeded(rid: str) -> GenerationRequest:
+            return GenerationRequest(rid, tuple(prompt), 60, params, ignore_eos=True)
+
+        alone = await tokens_of(scheduler.submit(seeded("alone")))
+        for crowd in (1, 3):
+            streams = [scheduler.submit(seeded(f"seeded-{crowd}"))]
+            for i in range(crowd):
+                ids = reference.tokenizer.encode(PROMPTS[1 + i])
+                streams.append(scheduler.submit(request(f"crowd-{crowd}-{i}", ids, 30 + 10 * i)))
+            results = await asyncio.gather(*(tokens_of(s) for s in streams))
+            assert results[0] == alone, f"beside {crowd} others"
+        assert scheduler.counters.mode_switches.get(("speculative", "batched"), 0) >= 2
+    finally:
+        scheduler.stop()

@@ -109,6 +109,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._outstanding = 0  # submitted and not yet finished; touched on the loop only
         # Engine-thread state:
+        self._outbox: list[tuple[_Tracked, TokenEvent]] = []  # this step's events
         self._waiting: deque[_Tracked] = deque()
         self._running: dict[str, _Tracked] = {}
         self._spec: SpeculativeEngine | None = None
@@ -210,15 +211,26 @@ class Scheduler:
             self._wakeup.notify()
 
     def _deliver(self, tracked: _Tracked, event: TokenEvent) -> None:
-        def put() -> None:
+        """Queue an event; `_flush` hands a whole step's events to each event loop in
+        one call, so a batch of B streams wakes the loop once per step, not B times."""
+        self._outbox.append((tracked, event))
+
+    def _flush(self) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Tracked, TokenEvent]]] = {}
+        for tracked, event in self._outbox:
+            by_loop.setdefault(tracked.loop, []).append((tracked, event))
+        self._outbox = []
+        for loop, events in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(self._put_all, events)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
+
+    def _put_all(self, events: list[tuple[_Tracked, TokenEvent]]) -> None:
+        for tracked, event in events:
             if event.final:
                 self._outstanding -= 1
             tracked.stream.put(event)
-
-        try:
-            tracked.loop.call_soon_threadsafe(put)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
 
     # ---- engine thread ------------------------------------------------------------
 
@@ -254,14 +266,17 @@ class Scheduler:
                 self._apply(commands)
                 self._schedule()
                 self._step()
+                self._flush()
                 self._sample_gauges()
         except Exception as exc:  # noqa: BLE001 - the loop itself broke: report, fail all
             log.exception("engine loop failed; the server must be restarted")
             self.error = f"engine failed: {exc}"
             self.state = SchedulerState.FAILED
             self._abort_all(self.error)
+            self._flush()
             return
         self._abort_all("server is shutting down")
+        self._flush()
 
     def _sample_gauges(self, every_s: float = 0.5) -> None:
         """MLX memory (read on the engine thread, the only thread that touches MLX) and

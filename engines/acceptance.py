@@ -69,3 +69,11 @@ def accept_sampled(
     row = mx.where(row.sum(axis=-1, keepdims=True) > 0, row, fallback)
     next_token = mx.random.categorical(mx.log(row), key=sample_key)
     return num_accepted, next_token
+
+
+def pad_vocab(probs: mx.array, vocab_size: int) -> mx.array:
+    """Draft distributions over a smaller (unpadded) vocabulary get zero mass beyond it."""
+    missing = vocab_size - probs.shape[-1]
+    if missing <= 0:
+        return probs[..., :vocab_size]
+    return mx.concatenate([probs, mx.zeros((*probs.shape[:-1], missing), probs.dtype)], axis=-1)

@@ -25,24 +25,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs
+from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs, pad_vocab
 from engines.batch_costs import BatchCosts, RowOption, choose_draft_length
-from engines.drafters import (
-    DRAFT,
-    PLD,
-    DraftState,
-    PromptLookupDrafter,
-    choose_draft_token,
-    shared_prefix,
-)
-from engines.gates import MethodGate, expected_tokens
+from engines.batched_drafting import BatchRow, draft_with_model, roll_back_draft
+from engines.drafters import DRAFT, PLD, DraftState, PromptLookupDrafter, shared_prefix
+from engines.gates import expected_tokens
 from engines.logprobs import token_logprobs
-from engines.ragged_cache import RaggedKVCache, ragged_from_rows
+from engines.ragged_cache import RaggedKVCache, feed_chunk, ragged_from_rows
 from engines.registry import ModelRegistry
 from engines.sampling import coupled_tokens, filter_logprobs, sample_token
 from engines.sequence import FinishReason, Sequence, StepOutput
@@ -52,27 +46,10 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Row:
-    """One running sequence and its drafting state (all of it the request's own)."""
-
-    seq: Sequence
-    gates: dict[str, MethodGate]
-    pld: PromptLookupDrafter
-    draft_fed: list[int] = field(default_factory=list)  # tokens in its draft-cache row
-    drafts: list[int] = field(default_factory=list)  # this step's proposal
-    probs: mx.array | None = None  # (k, V) q of a sampled draft-model proposal
-    method: str | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.seq.all_tokens
-
-
-@dataclass
 class _Group:
     """Newcomers prefilling together before they join the batch."""
 
-    rows: list[_Row]
+    rows: list[BatchRow]
     cache: list[RaggedKVCache]
     draft_cache: list[RaggedKVCache] | None
     started: bool = False
@@ -99,7 +76,7 @@ class BatchedSpeculativeEngine:
         self.costs = costs or BatchCosts(speculative.cost, learn=speculative.costs.learn)
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
-        self.rows: list[_Row] = []
+        self.rows: list[BatchRow] = []
         self.cache: list[RaggedKVCache] = []
         self.draft_cache: list[RaggedKVCache] | None = None
         self.groups: list[_Group] = []
@@ -117,7 +94,7 @@ class BatchedSpeculativeEngine:
     def active_ids(self) -> list[str]:
         return [row.seq.request_id for row in self._all_rows()]
 
-    def _all_rows(self) -> list[_Row]:
+    def _all_rows(self) -> list[BatchRow]:
         return [*self.rows, *(row for group in self.groups for row in group.rows)]
 
     def add(self, seq: Sequence) -> None:
@@ -129,7 +106,7 @@ class BatchedSpeculativeEngine:
         seq = state.seq
         gates = state.gates if state.gates is not None else self.initial_gates(seq)
         pld = state.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
-        row = _Row(seq, gates, pld)
+        row = BatchRow(seq, gates, pld)
         draft_rows = self._draft_row_cache(row, state.draft)
         ready = state.cached == len(seq.all_tokens) - 1
         if ready and not self.groups:
@@ -149,7 +126,7 @@ class BatchedSpeculativeEngine:
 
     admit = insert
 
-    def _draft_row_cache(self, row: _Row, draft: DraftState | None) -> list | None:
+    def _draft_row_cache(self, row: BatchRow, draft: DraftState | None) -> list | None:
         """The row's draft KV cache as per-layer KVCaches, rolled back to the prefix it
         shares with the committed tokens (a migrated state may hold drafted ones)."""
         if self.draft_model is None:
@@ -161,11 +138,11 @@ class BatchedSpeculativeEngine:
         row.draft_fed = draft.fed[:shared]
         return cache
 
-    def _join(self, rows: list[_Row], caches: list[list], draft_rows: list | None) -> None:
+    def _join(self, rows: list[BatchRow], caches: list[list], draft_rows: list | None) -> None:
         self._merge(rows, ragged_from_rows(caches), _ragged_or_none([draft_rows]))
 
     def _merge(
-        self, rows: list[_Row], cache: list[RaggedKVCache], draft: list[RaggedKVCache] | None
+        self, rows: list[BatchRow], cache: list[RaggedKVCache], draft: list[RaggedKVCache] | None
     ) -> None:
         if not self.rows:
             self.rows, self.cache, self.draft_cache = list(rows), cache, draft
@@ -185,7 +162,7 @@ class BatchedSpeculativeEngine:
         cache = [layer.extract(index) for layer in self.cache]
         draft = None
         if self.draft_cache is not None:
-            self._roll_back_draft(index)
+            roll_back_draft(self.draft_cache, self.rows, index)
             draft = DraftState([layer.extract(index) for layer in self.draft_cache], row.draft_fed)
         self._drop([index])
         cached = len(row.tokens) - 1
@@ -229,7 +206,18 @@ class BatchedSpeculativeEngine:
             return []
         k, with_model = self._plan()
         if with_model:
-            self._draft_with_model(k)
+            started = time.perf_counter()
+            draft_with_model(
+                self.draft_model,
+                self.draft_cache,
+                self.rows,
+                k,
+                self.draft_vocab,
+                self.prefill_step_size,
+            )
+            seconds = time.perf_counter() - started
+            self.forward_seconds += seconds
+            self.costs.observe_draft(len(self.rows), seconds / k)
         return self._verify(k)
 
     def _prefill_chunk(self) -> None:
@@ -238,11 +226,11 @@ class BatchedSpeculativeEngine:
         group = self.groups[0]
         group.started = True
         started = time.perf_counter()
-        _feed_chunk(
+        feed_chunk(
             self.model, group.cache, [r.tokens[:-1] for r in group.rows], self.prefill_step_size
         )
         if group.draft_cache is not None:
-            fed = _feed_chunk(
+            fed = feed_chunk(
                 self.draft_model,
                 group.draft_cache,
                 [r.tokens[:-1] for r in group.rows],
@@ -289,7 +277,7 @@ class BatchedSpeculativeEngine:
             self._choose_method(row, row_options, k, with_model)
         return k, with_model and any(row.method == DRAFT for row in self.rows)
 
-    def _row_cap(self, row: _Row) -> int:
+    def _row_cap(self, row: BatchRow) -> int:
         seq = row.seq
         k = seq.request.speculation.num_draft_tokens
         k = self.config.num_draft_tokens if k is None else max(0, min(k, self.k_cap))
@@ -298,7 +286,7 @@ class BatchedSpeculativeEngine:
         return max(0, min(k, seq.request.max_tokens - len(seq.generated) - 1))
 
     @staticmethod
-    def _choose_method(row: _Row, options: list[RowOption], k: int, with_model: bool) -> None:
+    def _choose_method(row: BatchRow, options: list[RowOption], k: int, with_model: bool) -> None:
         """At draft length k, the row drafts with its better method (PLD is free; the
         draft model only when the step runs it), or not at all when k is 0."""
         if k == 0:
@@ -315,79 +303,6 @@ class BatchedSpeculativeEngine:
             row.drafts = row.drafts[:k]
         else:
             row.drafts, row.method = [], method
-
-    # ---- the draft model, batched over the rows ----------------------------------------
-
-    def _draft_with_model(self, k: int) -> None:
-        """k batched draft-model steps; rows drafting with it take its tokens."""
-        started = time.perf_counter()
-        drafting = [row.method == DRAFT for row in self.rows]
-        pending = []
-        for i, row in enumerate(self.rows):
-            self._roll_back_draft(i)
-            pending.append(row.tokens[len(row.draft_fed) :])
-        # Catch up (chunked for long gaps), ending with each row's newest token.
-        while max(len(p) for p in pending) > self.prefill_step_size:
-            head = [p[: max(0, len(p) - 1)][: self.prefill_step_size] for p in pending]
-            _feed_rows(self.draft_model, self.draft_cache, head)
-            for row, fed in zip(self.rows, head, strict=True):
-                row.draft_fed.extend(fed)
-            pending = [p[len(h) :] for p, h in zip(pending, head, strict=True)]
-        logits = _feed_rows(self.draft_model, self.draft_cache, pending)
-        for row, fed in zip(self.rows, pending, strict=True):
-            row.draft_fed.extend(fed)
-        last = mx.array([len(p) - 1 for p in pending])
-        logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0, : self.draft_vocab]
-        proposals: list[list[int]] = [[] for _ in self.rows]
-        probs: list[list[mx.array]] = [[] for _ in self.rows]
-        for step in range(k):
-            tokens = self._choose_draft_tokens(
-                logits.astype(mx.float32), drafting, proposals, probs
-            )
-            if step + 1 == k:
-                break
-            feed = [[t] if drafting[i] else [] for i, t in enumerate(tokens)]
-            logits = _feed_rows(self.draft_model, self.draft_cache, feed)[:, 0, : self.draft_vocab]
-            for row, fed in zip(self.rows, feed, strict=True):
-                row.draft_fed.extend(fed)
-        for i, row in enumerate(self.rows):
-            if drafting[i]:
-                row.drafts = proposals[i]
-                row.probs = mx.stack(probs[i]) if probs[i] else None
-        seconds = time.perf_counter() - started
-        self.forward_seconds += seconds
-        self.costs.observe_draft(len(self.rows), seconds / k)
-
-    def _roll_back_draft(self, index: int) -> None:
-        """Draft row `index` keeps only the prefix it shares with the committed tokens."""
-        row = self.rows[index]
-        shared = shared_prefix(row.draft_fed, row.tokens)
-        if shared < len(row.draft_fed):
-            _set_row_length(self.draft_cache, index, shared)
-            del row.draft_fed[shared:]
-
-    def _choose_draft_tokens(self, logits, drafting, proposals, probs) -> list[int]:
-        """Each drafting row's next draft token: greedy rows by one argmax over the
-        batch, sampled rows from their own processed q."""
-        greedy = mx.argmax(logits, axis=-1)
-        chosen = greedy.tolist()
-        for i, row in enumerate(self.rows):
-            if not drafting[i]:
-                continue
-            params = row.seq.request.sampling
-            history = [*row.tokens, *proposals[i]]
-            if params.greedy and not row.seq.processors:
-                token = chosen[i]
-            else:
-                position = len(row.seq.generated) + len(proposals[i])
-                token, q = choose_draft_token(
-                    logits[i : i + 1], params, row.seq.rng, row.seq.processors, history, position
-                )
-                if q is not None:
-                    probs[i].append(q[0])
-            proposals[i].append(token)
-            chosen[i] = token
-        return chosen
 
     # ---- verification -----------------------------------------------------------------
 
@@ -489,7 +404,7 @@ class BatchedSpeculativeEngine:
                 decisions.append((accepted, targets[i][accepted]))
         return decisions
 
-    def _accept_sampled_row(self, row: _Row, logprobs: mx.array, drafts: list[int]):
+    def _accept_sampled_row(self, row: BatchRow, logprobs: mx.array, drafts: list[int]):
         params = row.seq.request.sampling
         scaled = filter_logprobs(params, logprobs.astype(mx.float32)) * (1.0 / params.temperature)
         p = mx.softmax(scaled, axis=-1)
@@ -497,17 +412,17 @@ class BatchedSpeculativeEngine:
         if row.probs is None:
             q = one_hot_probs(tokens, p.shape[-1])
         else:
-            q = _pad_vocab(row.probs, p.shape[-1])
+            q = pad_vocab(row.probs, p.shape[-1])
         accepted, token = accept_sampled(p[None], q[None], tokens[None], key=row.seq.rng.next_key())
         return accepted[0], token[0]
 
-    def _record(self, row: _Row, drafted: int, accepted: int) -> None:
+    def _record(self, row: BatchRow, drafted: int, accepted: int) -> None:
         row.seq.spec.record(row.method, drafted, accepted)
         gate = row.gates[row.method]
         if gate.record(drafted, accepted, self._row_cap(row) or drafted, self.costs.prior):
             row.seq.spec.trip("runtime")
 
-    def _commit(self, row: _Row, committed: list[int], logprobs: mx.array) -> StepOutput:
+    def _commit(self, row: BatchRow, committed: list[int], logprobs: mx.array) -> StepOutput:
         seq = row.seq
         text = []
         try:
@@ -546,41 +461,6 @@ class BatchedSpeculativeEngine:
         self.rows, self.cache, self.draft_cache, self.groups = [], [], None, []
 
 
-# ---- ragged forwards ------------------------------------------------------------------
-
-
-def _feed_rows(model, cache: list[RaggedKVCache], rows: list[list[int]]) -> mx.array:
-    """One forward with each row's own tokens (padded at the end); each row's cache
-    advances by its own count. Returns logits (B, T, V)."""
-    width = max(1, max(len(r) for r in rows))
-    lengths = list(cache[0].lengths)
-    inputs = mx.array([r + [0] * (width - len(r)) for r in rows])
-    logits = model(inputs, cache=cache)
-    new = [length + len(r) for length, r in zip(lengths, rows, strict=True)]
-    for layer in cache:
-        layer.set_lengths(new)
-    return logits
-
-
-def _feed_chunk(
-    model, cache: list[RaggedKVCache], targets: list[list[int]], step: int
-) -> list[int]:
-    """Feed each row up to `step` more of `targets[i]` (the tokens it should hold);
-    returns each row's length after. Rows already complete feed nothing."""
-    lengths = cache[0].lengths
-    chunks = [t[length : length + step] for t, length in zip(targets, lengths, strict=True)]
-    if any(chunks):
-        _feed_rows(model, cache, chunks)
-    return list(cache[0].lengths)
-
-
-def _set_row_length(cache: list[RaggedKVCache], row: int, length: int) -> None:
-    for layer in cache:
-        lengths = list(layer.lengths)
-        lengths[row] = length
-        layer.set_lengths(lengths)
-
-
 def _remove_rows(rows: list, cache: list[RaggedKVCache], draft, indices: list[int]) -> None:
     keep = [i for i in range(len(rows)) if i not in set(indices)]
     for i in sorted(indices, reverse=True):
@@ -599,10 +479,3 @@ def _truncated(layer: KVCache, length: int) -> KVCache:
         cache.keys, cache.values = layer.keys[..., :length, :], layer.values[..., :length, :]
         cache.offset = length
     return cache
-
-
-def _pad_vocab(probs: mx.array, vocab_size: int) -> mx.array:
-    missing = vocab_size - probs.shape[-1]
-    if missing <= 0:
-        return probs[..., :vocab_size]
-    return mx.concatenate([probs, mx.zeros((*probs.shape[:-1], missing), probs.dtype)], axis=-1)

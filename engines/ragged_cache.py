@@ -194,12 +194,41 @@ def _pad_to(array: mx.array, capacity: int) -> mx.array:
     return mx.concatenate([array, pad], axis=2)
 
 
-def make_ragged_cache(layers: int, lengths: list[int]) -> list[RaggedKVCache]:
-    return [RaggedKVCache(lengths) for _ in range(layers)]
-
-
 def ragged_from_rows(rows: list[list[KVCache]]) -> list[RaggedKVCache]:
     """Per-layer ragged caches from each row's per-layer KVCaches."""
     return [
         RaggedKVCache.from_caches([row[layer] for row in rows]) for layer in range(len(rows[0]))
     ]
+
+
+# ---- forwards over ragged rows ------------------------------------------------------
+
+
+def feed_rows(model, cache: list[RaggedKVCache], rows: list[list[int]]) -> mx.array:
+    """One forward with each row's own tokens (padded at the end); each row's cache
+    advances by its own count. Returns logits (B, T, V)."""
+    width = max(1, max(len(r) for r in rows))
+    lengths = list(cache[0].lengths)
+    inputs = mx.array([r + [0] * (width - len(r)) for r in rows])
+    logits = model(inputs, cache=cache)
+    new = [length + len(r) for length, r in zip(lengths, rows, strict=True)]
+    for layer in cache:
+        layer.set_lengths(new)
+    return logits
+
+
+def feed_chunk(model, cache: list[RaggedKVCache], targets: list[list[int]], step: int) -> list[int]:
+    """Feed each row up to `step` more of `targets[i]` (the tokens it should hold);
+    returns each row's length after. Rows already complete feed nothing."""
+    lengths = cache[0].lengths
+    chunks = [t[length : length + step] for t, length in zip(targets, lengths, strict=True)]
+    if any(chunks):
+        feed_rows(model, cache, chunks)
+    return list(cache[0].lengths)
+
+
+def set_row_length(cache: list[RaggedKVCache], row: int, length: int) -> None:
+    for layer in cache:
+        lengths = list(layer.lengths)
+        lengths[row] = length
+        layer.set_lengths(lengths)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs
+from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs, pad_vocab
 from engines.drafters import (
     DRAFT,
     PLD,
@@ -383,7 +383,7 @@ class SpeculativeEngine:
         if draft.probs is None:
             q = one_hot_probs(drafts, p.shape[-1])
         else:
-            q = _pad_vocab(draft.probs, p.shape[-1])
+            q = pad_vocab(draft.probs, p.shape[-1])
         accepted, next_token = accept_sampled(
             p[None], q[None], drafts[None], key=active.seq.rng.next_key()
         )
@@ -421,11 +421,3 @@ class SpeculativeEngine:
             trim_exact(active.cache, active.cached - committed)
             active.cached = committed
         self.released.append(SequenceState(active.seq, active.cache, active.cached))
-
-
-def _pad_vocab(probs: mx.array, vocab_size: int) -> mx.array:
-    """Draft distributions over a smaller (unpadded) vocabulary get zero mass beyond it."""
-    missing = vocab_size - probs.shape[-1]
-    if missing <= 0:
-        return probs[..., :vocab_size]
-    return mx.concatenate([probs, mx.zeros((*probs.shape[:-1], missing), probs.dtype)], axis=-1)

@@ -1,0 +1,108 @@
+"""The batched engine's rows, and their draft-model proposals made in one batch.
+
+A `BatchRow` is one running sequence with its own drafting state: its gates, its
+n-gram index and the tokens its row of the draft model's ragged cache holds. The
+draft model drafts for every row that wants it at once: one forward per drafted
+position over all rows (rows that do not draft feed nothing and keep their length),
+after a catch-up forward that feeds each row what it has not seen.
+
+Invariant: draft-cache row i holds exactly `rows[i].draft_fed`, a prefix of the
+row's committed tokens followed by tokens it drafted; a rollback keeps only the
+committed prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from engines.drafters import DRAFT, PromptLookupDrafter, choose_draft_token, shared_prefix
+from engines.gates import MethodGate
+from engines.ragged_cache import RaggedKVCache, feed_rows, set_row_length
+from engines.sequence import Sequence
+
+
+@dataclass
+class BatchRow:
+    """One running sequence and its drafting state (all of it the request's own)."""
+
+    seq: Sequence
+    gates: dict[str, MethodGate]
+    pld: PromptLookupDrafter
+    draft_fed: list[int] = field(default_factory=list)  # tokens in its draft-cache row
+    drafts: list[int] = field(default_factory=list)  # this step's proposal
+    probs: mx.array | None = None  # (k, V) q of a sampled draft-model proposal
+    method: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.seq.all_tokens
+
+
+def roll_back_draft(cache: list[RaggedKVCache], rows: list[BatchRow], index: int) -> None:
+    """Draft row `index` keeps only the prefix it shares with the committed tokens."""
+    row = rows[index]
+    shared = shared_prefix(row.draft_fed, row.tokens)
+    if shared < len(row.draft_fed):
+        set_row_length(cache, index, shared)
+        del row.draft_fed[shared:]
+
+
+def draft_with_model(
+    model, cache: list[RaggedKVCache], rows: list[BatchRow], k: int, vocab: int, chunk: int
+) -> None:
+    """k draft tokens for every row whose method is DRAFT (into `row.drafts` and, when
+    sampled, `row.probs`); every row's draft cache catches up with its tokens."""
+    drafting = [row.method == DRAFT for row in rows]
+    pending = []
+    for i, row in enumerate(rows):
+        roll_back_draft(cache, rows, i)
+        pending.append(row.tokens[len(row.draft_fed) :])
+    while max(len(p) for p in pending) > chunk:  # a long gap catches up in chunks
+        head = [p[: max(0, len(p) - 1)][:chunk] for p in pending]
+        _feed(model, cache, rows, head)
+        pending = [p[len(h) :] for p, h in zip(pending, head, strict=True)]
+    logits = _feed(model, cache, rows, pending)
+    last = mx.array([len(p) - 1 for p in pending])
+    logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0, :vocab]
+    proposals: list[list[int]] = [[] for _ in rows]
+    probs: list[list[mx.array]] = [[] for _ in rows]
+    for step in range(k):
+        tokens = _choose(rows, logits.astype(mx.float32), drafting, proposals, probs)
+        if step + 1 == k:
+            break
+        feed = [[t] if drafting[i] else [] for i, t in enumerate(tokens)]
+        logits = _feed(model, cache, rows, feed)[:, 0, :vocab]
+    for i, row in enumerate(rows):
+        if drafting[i]:
+            row.drafts = proposals[i]
+            row.probs = mx.stack(probs[i]) if probs[i] else None
+
+
+def _feed(model, cache, rows: list[BatchRow], tokens: list[list[int]]) -> mx.array:
+    logits = feed_rows(model, cache, tokens)
+    for row, fed in zip(rows, tokens, strict=True):
+        row.draft_fed.extend(fed)
+    return logits
+
+
+def _choose(rows, logits, drafting, proposals, probs) -> list[int]:
+    """Each drafting row's next draft token: greedy rows by one argmax over the
+    batch, the others from their own processed q with their own RNG (keyed by
+    output position when seeded)."""
+    chosen = mx.argmax(logits, axis=-1).tolist()
+    for i, row in enumerate(rows):
+        if not drafting[i]:
+            continue
+        params = row.seq.request.sampling
+        if not (params.greedy and not row.seq.processors):
+            history = [*row.tokens, *proposals[i]]
+            position = len(row.seq.generated) + len(proposals[i])
+            chosen[i], q = choose_draft_token(
+                logits[i : i + 1], params, row.seq.rng, row.seq.processors, history, position
+            )
+            if q is not None:
+                probs[i].append(q[0])
+        proposals[i].append(chosen[i])
+    return chosen

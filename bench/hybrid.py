@@ -4,11 +4,12 @@ of a mode switch.
     tandem bench hybrid MODEL [--draft-model D] [--concurrency 1,2,4,8] [--max-tokens 64]
         [--peer mlx_lm|none]
 
-Starts `tandem serve` four times on 127.0.0.1 -- hybrid (--batch-threshold 2),
-hybrid-wait (the same with --spec-wait-budget: newcomers may wait that long for a
-speculative run when it measurably outruns batching), batch-only (--batch-threshold
-1) and speculative-only (a threshold no load reaches: requests beyond the first
-wait) -- and load-tests each with `tandem bench serve`.
+Starts `tandem serve` once per mode on 127.0.0.1 -- hybrid (the default server:
+one request speculates alone, two or more speculate inside the batch), batch-only
+(plain continuous batching: --batch-threshold 1, drafting off), speculative-only (a
+threshold no load reaches: requests beyond the first wait) and, with `--modes`,
+hybrid-wait (--spec-wait-budget: newcomers may wait that long for a speculative run
+when it measurably outruns batching) -- and load-tests each with `tandem bench serve`.
 Then, against the hybrid server, one long stream runs alone (speculative) and a
 second request arrives mid-stream: it reports the newcomer's TTFT and the first
 stream's largest inter-token gap around the switch vs its median gap.
@@ -39,7 +40,7 @@ from bench.single_stream import free_port, start_server, stop_server
 MODES = {
     "hybrid": ["--batch-threshold", "2"],
     "hybrid-wait": ["--batch-threshold", "2", "--spec-wait-budget", "WAIT"],
-    "batch-only": ["--batch-threshold", "1"],
+    "batch-only": ["--batch-threshold", "1", "--no-pld", "--num-draft-tokens", "0"],
     "spec-only": ["--batch-threshold", "100000", "--max-num-seqs", "1"],
 }
 SWITCH_PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play"
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
         "blas": "unknown",
         "modes": {},
     }
-    for name, extra in MODES.items():
+    for name in args.modes.split(","):
+        extra = MODES[name]
         extra = [str(args.spec_wait_budget) if flag == "WAIT" else flag for flag in extra]
         port = free_port()
         proc = start_mode(model, draft, extra, port)
@@ -154,6 +156,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds, for the hybrid-wait server",
     )
     parser.add_argument("--dataset", default="mixed")
+    parser.add_argument(
+        "--modes",
+        default="hybrid,batch-only,spec-only",
+        help=f"comma-separated servers to run, of {','.join(MODES)}",
+    )
     parser.add_argument("--output", type=Path, default=Path("bench/results/hybrid.json"))
     parser.add_argument("--plot", type=Path, help="PNG (default: the --output path, .png)")
     add_peer_arguments(parser, default="mlx_lm")
@@ -205,6 +212,7 @@ def add_peers(results: dict, args: argparse.Namespace, levels: list[int]) -> Non
     results["peer_comparison"] = {
         name: compare(results["modes"][name]["levels"], peer_levels)
         for name in ("hybrid", "hybrid-wait")
+        if name in results["modes"]
     }
 
 
@@ -247,15 +255,16 @@ def report(results: dict, levels: list[int]) -> str:
                 f"{row['median_ttft_ms'] or 0:>12.1f} {row['p50_itl_ms'] or 0:>11.1f} "
                 f"{row['p99_itl_ms'] or 0:>11.1f}"
             )
+    baselines = [m for m in ("batch-only", "spec-only") if m in results["modes"]]
     best = {
         level: max(
-            results["modes"][m]["levels"][level]["output_throughput"]
-            for m in ("batch-only", "spec-only")
+            (results["modes"][m]["levels"][level]["output_throughput"] for m in baselines),
+            default=0.0,
         )
         for level in levels
     }
     for name in ("hybrid", "hybrid-wait"):
-        if name not in results["modes"]:
+        if name not in results["modes"] or not baselines:
             continue
         for level in levels:
             rate = results["modes"][name]["levels"][level]["output_throughput"]

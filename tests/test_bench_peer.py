@@ -225,15 +225,16 @@ def test_plot_draws_a_line_per_server(peer_run):
 
 
 @pytest.mark.slow
-def test_bench_hybrid_runs_the_peers_next_to_the_four_modes(
+def test_bench_hybrid_runs_the_peers_next_to_the_modes(
     tiny_model_dir, perturbed_draft_dir, tmp_path
 ):
     output = tmp_path / "hybrid.json"
     results = hybrid.main(
         [str(tiny_model_dir), "--draft-model", str(perturbed_draft_dir), "--concurrency", "1,2"]
         + ["--max-tokens", str(MAX_TOKENS), "--prompts-per-level", "2", "--dataset", "novel"]
-        + ["--output", str(output)]
+        + ["--output", str(output), "--modes", "hybrid,hybrid-wait,batch-only,spec-only"]
     )
+    assert list(results["modes"]) == ["hybrid", "hybrid-wait", "batch-only", "spec-only"]
     assert list(results["peers"]) == ["mlx_lm", "mlx_lm+draft"]
     for peer in results["peers"].values():
         assert set(peer["levels"]) == {1, 2}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import mlx.core as mx
 import pytest
 from mlx_lm import generate
 
@@ -113,3 +114,41 @@ def test_lookup_always_leaves_one_token_to_feed(tiny_model_dir, reference):
     partial, cached = cache.lookup(other)
     assert cached == common and partial[0].offset == common
     assert cache.lookup([9999, 1, 2]) == (None, 0)
+
+
+async def test_a_plain_turn_ending_in_eos_is_stored_for_the_next_turn(tiny_model_dir, reference):
+    """Without drafting, plain steps are pipelined: the request ends (EOS at token 5)
+    with one more token already in flight. Its cache still holds exactly the committed
+    tokens and must be kept, so the next turn is served from it."""
+    eos = min(reference.tokenizer.eos_token_ids)
+
+    def eos_at_five(request: GenerationRequest) -> list:
+        prompt_length = len(request.prompt_tokens)
+
+        def force(tokens, logits):
+            if len(tokens) - prompt_length == 5:
+                keep = mx.arange(logits.shape[-1]) == eos
+                return mx.where(keep, logits, -1e9)
+            return logits
+
+        return [force] if request.request_id.startswith("turn1") else []
+
+    scheduler = start_scheduler(
+        tiny_model_dir, enable_pld=False, logits_processor_factory=eos_at_five
+    )
+    try:
+        prompt = reference.tokenizer.encode(SYSTEM)
+        greedy = SamplingParams(temperature=0.0)
+        events = await scheduler.submit(
+            GenerationRequest("turn1", tuple(prompt), 50, greedy)
+        ).collect()
+        generated = [t for e in events for t in e.token_ids]
+        assert events[-1].finish_reason.value == "stop" and generated[-1] == eos
+        assert len(generated) == 6
+        follow_up = [*prompt, *generated, *reference.tokenizer.encode(" And then?")]
+        events = await scheduler.submit(
+            GenerationRequest("turn2", tuple(follow_up), 4, greedy)
+        ).collect()
+        assert events[-1].cached_tokens >= len(prompt) + len(generated)
+    finally:
+        scheduler.stop()

@@ -308,3 +308,22 @@ def test_seeded_sampling_gives_plain_seeded_tokens_whatever_the_drafting(
         if overrides.num_draft_tokens != 0 and engine_name == "perturbed":
             assert seq.spec.accepted_tokens > 0
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_each_request_drafts_from_its_own_ngram_index(pld_engine, reference):
+    """Prompt lookup proposes only from the request's own tokens: after a repetitive
+    request A, a longer request B sharing no n-gram with A finds its own repeats and
+    nothing of A's (a shared, append-only index skipped B's first tokens and kept A's)."""
+    a = reference.tokenizer.encode(CODE_PROMPT)
+    run(pld_engine, a, 20, ignore_eos=True)
+    fresh = [t for t in range(300, 3000) if t not in set(a)][: len(a) + 30]
+    b = [*fresh, *fresh[:3]]  # B repeats its own first three tokens at the end
+    seq = make_sequence(GenerationRequest("b", tuple(b), 4, GREEDY), reference.tokenizer)
+    pld_engine.add(seq)
+    try:
+        drafter = pld_engine.active.pld
+        draft = drafter.propose(pld_engine.active.tokens, 4)
+        assert draft is not None and draft.tokens == fresh[3:7]
+        assert drafter.tokens == b, "the index holds B's tokens only"
+    finally:
+        pld_engine.cancel("b")

@@ -106,10 +106,13 @@ async def test_batched_constrained_outputs_each_equal_their_solo_output(constrai
     streams = [
         constrained.submit(json_request(constrained, f"b{i}", p)) for i, p in enumerate(prompts)
     ]
-    results = await asyncio.gather(*(tokens_of(s) for s in streams))
+    events = await asyncio.gather(*(s.collect() for s in streams))
     assert constrained.batched_engine is not None
-    for prompt, tokens in zip(prompts, results, strict=True):
+    for prompt, request_events in zip(prompts, events, strict=True):
+        tokens = [t for event in request_events for t in event.token_ids]
         assert tokens == reference_json_tokens(reference, prompt, 64)
+    drafted = sum(e[-1].speculation["draft_tokens"] for e in events)
+    assert drafted > 0, "the constrained rows drafted inside the batch"
 
 
 async def test_sampled_constrained_outputs_always_match_the_schema(constrained, reference):

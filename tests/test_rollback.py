@@ -65,8 +65,8 @@ def served(arch):
     """A scheduler on the arch with PLD on and a draft model; drafting would reject
     some proposals (the draft is perturbed, PLD guesses), so a rollback would be due."""
     kind, target, draft, reference = arch
-    # cost_model=None as in production: a model that cannot speculate measures nothing.
-    scheduler = start_scheduler(target, draft_model=str(draft), cost_model=None)
+    # The fixed cost model makes drafting pay wherever it is allowed at all.
+    scheduler = start_scheduler(target, draft_model=str(draft))
     yield scheduler, reference
     scheduler.stop()
 
@@ -175,7 +175,8 @@ def test_supports_rollback_only_for_plain_kv_caches(arch, reference):
 def test_a_draft_that_cannot_roll_back_turns_speculation_off(tiny_model_dir, arch, caplog):
     _, target, _, _ = arch
     with caplog.at_level(logging.WARNING, logger="scheduler.scheduler"):
-        scheduler = start_scheduler(tiny_model_dir, draft_model=str(target))
+        # cost_model=None, as in production: nothing to measure when nothing drafts.
+        scheduler = start_scheduler(tiny_model_dir, draft_model=str(target), cost_model=None)
     try:
         assert scheduler.speculation_supported is False
         assert scheduler.speculative_engine.config.num_draft_tokens == 0

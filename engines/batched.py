@@ -17,11 +17,12 @@ from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from engines.logprobs import token_logprob
 from engines.registry import ModelRegistry
 from engines.request import SamplingParams
+from engines.rollback import trim_exact
 from engines.sampling import RandomStream, sampling_logits
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.speculative import SequenceState
@@ -120,8 +121,9 @@ class BatchedEngine:
         cached = len(cached_tokens)
         if cached >= len(seq.all_tokens):
             # BatchGenerator already fed the newest token (its successor was sampled
-            # ahead and is dropped); trim it so the next engine feeds it again.
-            trim_prompt_cache(cache, cached - len(seq.all_tokens) + 1)
+            # ahead and is dropped); trim it so the next engine feeds it again. A cache
+            # that cannot roll back raises: such models never migrate (`supports_rollback`).
+            trim_exact(cache, cached - len(seq.all_tokens) + 1)
             cached = len(seq.all_tokens) - 1
         return SequenceState(seq, cache, cached, self._gates.pop(request_id, None))
 

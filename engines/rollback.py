@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    KVCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 
 
 class RollbackError(RuntimeError):
@@ -24,6 +29,11 @@ def trim_exact(cache: list, n: int) -> None:
     """Remove the newest `n` positions from every layer, or raise."""
     if n <= 0:
         return
+    if not can_trim_prompt_cache(cache):
+        # Recurrent state (`ArraysCache`, which has no offset at all) or a sliding
+        # window past its size: nothing can be removed.
+        kinds = sorted({type(layer).__name__ for layer in cache if not layer.is_trimmable()})
+        raise RollbackError(f"asked to roll back {n} cached tokens, but {', '.join(kinds)} cannot")
     before = [_offset(layer) for layer in cache]
     trimmed = trim_prompt_cache(cache, n)
     after = [_offset(layer) for layer in cache]

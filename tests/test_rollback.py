@@ -1,0 +1,247 @@
+"""Models whose caches cannot roll back are served exactly: a sliding-window Llama
+(`RotatingKVCache(16)`), LFM2 and a Qwen3-Next hybrid (`ArraysCache`). The scheduler
+finds out at load, turns drafting off (PLD, the draft model, per-request overrides),
+serves every request with mlx-lm's BatchGenerator and migrates nothing; greedy output
+equals `mlx_lm.generate_step` on the same checkpoint; every rollback is checked."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
+
+from engines.batched import BatchedEngine
+from engines.registry import ModelRegistry
+from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
+from engines.rollback import RollbackError, supports_rollback, trim_exact
+from engines.sequence import make_sequence
+from scheduler import SchedulerState
+from tests.conftest import Reference, make_client, start_scheduler
+from tests.test_metrics import scrape
+from tests.tiny_archs import SLIDING_WINDOW, build_tiny_arch
+
+ARCHS = ("sliding", "lfm2", "qwen3_next")
+CODE_PROMPT = "def add(a, b):\n    return a + b\n" * 4
+PROMPTS = [
+    "Once upon a time there was a robot",
+    "Hello, world! How are you today?",
+    "The weather in the mountains changes quickly",
+]
+MAX_TOKENS = 120
+# Every way a request can ask for drafting: PLD alone, the draft model alone, both
+# with a longer k than the server's.
+SERVER_DEFAULT = SpeculationOverrides()
+DRAFTING = {
+    "pld": SpeculationOverrides(enable_pld=True, enable_draft=False),
+    "draft": SpeculationOverrides(enable_pld=False, enable_draft=True),
+    "both-k6": SpeculationOverrides(enable_pld=True, enable_draft=True, num_draft_tokens=6),
+}
+
+
+@pytest.fixture(scope="module")
+def arch_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("archs")
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request, arch_root, tiny_model_dir):
+    """(kind, checkpoint, a perturbed copy of it as its draft, mlx-lm on the checkpoint)."""
+    kind = request.param
+    target = build_tiny_arch(kind, arch_root / kind, tiny_model_dir)
+    draft = build_tiny_arch(kind, arch_root / f"{kind}-draft", tiny_model_dir, noise=0.05)
+    model, tokenizer = load(str(target))
+    return kind, target, draft, Reference(model, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def served(arch):
+    """A scheduler on the arch with PLD on and a draft model; drafting would reject
+    some proposals (the draft is perturbed, PLD guesses), so a rollback would be due."""
+    kind, target, draft, reference = arch
+    # The fixed cost model makes drafting pay wherever it is allowed at all.
+    scheduler = start_scheduler(target, draft_model=str(draft))
+    yield scheduler, reference
+    scheduler.stop()
+
+
+def repetitive_bias(tokenizer) -> tuple[tuple[int, float], ...]:
+    """Push a few prompt tokens up, so the output repeats and PLD finds matches."""
+    ids = sorted(set(tokenizer.encode(CODE_PROMPT)))[:3]
+    return tuple((token, 6.0) for token in ids)
+
+
+def greedy_request(rid, prompt_ids, max_tokens, bias=(), speculation=SERVER_DEFAULT):
+    sampling = SamplingParams(temperature=0.0, logit_bias=bias)
+    return GenerationRequest(
+        rid, tuple(prompt_ids), max_tokens, sampling, ignore_eos=True, speculation=speculation
+    )
+
+
+def expected_tokens(reference: Reference, prompt_ids, max_tokens, bias=()) -> list[int]:
+    processors = make_logits_processors(logit_bias=dict(bias)) if bias else None
+    return reference.greedy_tokens(prompt_ids, max_tokens, logits_processors=processors)
+
+
+async def collect(stream) -> tuple[list[int], dict | None]:
+    events = await stream.collect()
+    return [t for event in events for t in event.token_ids], events[-1].speculation
+
+
+@pytest.mark.parametrize("asked", list(DRAFTING))
+async def test_greedy_output_equals_mlx_lm_when_drafting_is_asked_for(served, asked):
+    scheduler, reference = served
+    prompt = reference.tokenizer.encode(CODE_PROMPT)
+    bias = repetitive_bias(reference.tokenizer)
+    stream = scheduler.submit(greedy_request(asked, prompt, MAX_TOKENS, bias, DRAFTING[asked]))
+    tokens, speculation = await collect(stream)
+    assert tokens == expected_tokens(reference, prompt, MAX_TOKENS, bias)
+    assert scheduler.speculation_supported is False
+    assert speculation["drafts"] == 0 and speculation["draft_tokens"] == 0
+    assert scheduler.speculative_engine.totals.drafts == 0
+    assert scheduler.state == SchedulerState.READY
+
+
+async def test_concurrent_requests_are_exact_and_never_migrate(served):
+    scheduler, reference = served
+    migrated_before = scheduler.counters.migrated_requests
+    bias = repetitive_bias(reference.tokenizer)
+    jobs = [
+        (reference.tokenizer.encode(CODE_PROMPT), MAX_TOKENS, bias),
+        (reference.tokenizer.encode(PROMPTS[0]), MAX_TOKENS - 17, ()),
+        (reference.tokenizer.encode(PROMPTS[1] * 3), MAX_TOKENS + 11, bias),
+    ]
+    streams = [
+        scheduler.submit(greedy_request(f"c{i}", p, n, b, DRAFTING["both-k6"]))
+        for i, (p, n, b) in enumerate(jobs)
+    ]
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    for (prompt, max_tokens, bias), (tokens, speculation) in zip(jobs, results, strict=True):
+        assert tokens == expected_tokens(reference, prompt, max_tokens, bias)
+        assert speculation["drafts"] == 0
+    assert scheduler.counters.migrated_requests == migrated_before
+    assert type(scheduler.batched_engine) is BatchedEngine
+    assert scheduler.speculative_engine.active is None
+    assert scheduler.state == SchedulerState.READY
+
+
+async def test_a_follow_up_turn_reuses_the_cache_exactly(served):
+    """The prefix cache hands a finished request's BatchGenerator cache to the next
+    turn; a cache that cannot be trimmed must hold exactly the tokens it is keyed by."""
+    scheduler, reference = served
+    first_prompt = reference.tokenizer.encode(PROMPTS[2])
+    first, _ = await collect(scheduler.submit(greedy_request("turn-1", first_prompt, 40)))
+    follow_up = first_prompt + first + reference.tokenizer.encode(PROMPTS[0])
+    events = await scheduler.submit(greedy_request("turn-2", follow_up, 60)).collect()
+    assert [t for e in events for t in e.token_ids] == expected_tokens(reference, follow_up, 60)
+    assert events[-1].cached_tokens > 0
+
+
+async def test_scoring_the_prompt_then_decoding_is_exact(served):
+    """`echo` + logprobs builds the prompt's cache while scoring it; decoding goes on
+    from that cache in the batched engine."""
+    scheduler, reference = served
+    prompt = reference.tokenizer.encode(PROMPTS[1] * 3)
+    request = greedy_request("scored", prompt, 48)
+    stream = scheduler.submit(dataclasses.replace(request, prompt_logprobs=1))
+    events = await stream.collect()
+    assert len(events[0].prompt_logprobs) == len(prompt) - 1
+    tokens = [t for event in events for t in event.token_ids]
+    assert tokens == expected_tokens(reference, prompt, 48)
+
+
+async def test_metrics_report_speculation_unsupported(served, scheduler):
+    own, _ = served
+    for served_scheduler, supported in ((own, 0.0), (scheduler, 1.0)):  # tiny Llama: 1
+        async with make_client(served_scheduler) as client:
+            snapshot = await scrape(client)
+        assert snapshot[("tandem_speculation_supported", ())] == supported
+
+
+def test_supports_rollback_only_for_plain_kv_caches(arch, reference):
+    kind, _, _, arch_reference = arch
+    kinds = {type(layer) for layer in make_prompt_cache(arch_reference.model)}
+    assert kinds == {KVCache, RotatingKVCache if kind == "sliding" else ArraysCache}
+    assert supports_rollback(arch_reference.model) is False
+    assert supports_rollback(reference.model) is True
+
+
+def test_a_draft_that_cannot_roll_back_turns_speculation_off(tiny_model_dir, arch, caplog):
+    _, target, _, _ = arch
+    with caplog.at_level(logging.WARNING, logger="scheduler.scheduler"):
+        # cost_model=None, as in production: nothing to measure when nothing drafts.
+        scheduler = start_scheduler(tiny_model_dir, draft_model=str(target), cost_model=None)
+    try:
+        assert scheduler.speculation_supported is False
+        assert scheduler.speculative_engine.config.num_draft_tokens == 0
+        assert "speculation off" in caplog.text  # the startup log says why
+    finally:
+        scheduler.stop()
+
+
+def test_leaving_the_batch_raises_rather_than_keep_a_token_too_many(arch):
+    """BatchGenerator has fed the newest token when a sequence leaves; handing the
+    cache on needs that token removed. A cache that cannot says so, never silently."""
+    _, target, _, reference = arch
+    registry = ModelRegistry.load(str(target))
+    engine = BatchedEngine(registry)
+    registry.transfer(engine.name)
+    prompt = reference.tokenizer.encode(CODE_PROMPT)  # past the sliding window
+    engine.add(make_sequence(greedy_request("leave", prompt, 40), registry.tokenizer))
+    for _ in range(3):
+        engine.step()
+    with pytest.raises(RollbackError):
+        engine.extract("leave")
+    engine.close()
+
+
+# ---- trim_exact -------------------------------------------------------------------
+
+
+def filled(cache: list, tokens: int) -> list:
+    keys = mx.zeros((1, 2, tokens, 8))
+    for layer in cache:
+        if isinstance(layer, ArraysCache):
+            layer[0] = mx.ones((1, 2, 8))
+        else:
+            layer.update_and_fetch(keys, keys)
+    return cache
+
+
+def test_trim_exact_removes_exactly_n_from_kv_caches():
+    cache = filled([KVCache(), KVCache()], 30)
+    trim_exact(cache, 7)
+    assert [layer.offset for layer in cache] == [23, 23]
+    trim_exact(cache, 0)
+    assert [layer.offset for layer in cache] == [23, 23]
+
+
+def test_trim_exact_within_a_sliding_window_is_exact():
+    cache = filled([KVCache(), RotatingKVCache(SLIDING_WINDOW)], SLIDING_WINDOW - 4)
+    trim_exact(cache, 3)
+    assert [layer.offset for layer in cache] == [SLIDING_WINDOW - 7] * 2
+
+
+def test_trim_exact_raises_past_a_sliding_window():
+    cache = filled([KVCache(), RotatingKVCache(SLIDING_WINDOW)], SLIDING_WINDOW + 5)
+    with pytest.raises(RollbackError, match="RotatingKVCache"):
+        trim_exact(cache, 2)
+
+
+def test_trim_exact_raises_on_recurrent_state():
+    cache = filled([ArraysCache(size=1), KVCache()], 10)
+    with pytest.raises(RollbackError, match="ArraysCache"):
+        trim_exact(cache, 1)
+
+
+def test_trim_exact_raises_when_layers_disagree():
+    """A cache list whose layers hold different lengths cannot trim every one by n."""
+    cache = [filled([KVCache()], 10)[0], filled([KVCache()], 3)[0]]
+    with pytest.raises(RollbackError):
+        trim_exact(cache, 5)

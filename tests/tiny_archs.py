@@ -1,0 +1,129 @@
+"""Tiny random checkpoints of architectures whose caches cannot roll back, offline.
+
+Each is a real mlx-lm model type (`mlx_lm.models.<type>.Model`) scaled down to a few
+layers of hidden size 64, with random weights, saved as `config.json` +
+`model.safetensors` next to the tiny test model's tokenizer, so it loads through
+`mlx_lm.load` like a downloaded checkpoint:
+
+* `sliding`: a Llama whose `layer_types` mix full and sliding-window attention;
+  mlx-lm gives its sliding layers a `RotatingKVCache(16)` (as gpt-oss, Gemma 3).
+* `lfm2`: LFM2, whose short-convolution layers keep an `ArraysCache` state.
+* `qwen3_next`: a Qwen3-Next hybrid: gated-delta linear attention (`ArraysCache`)
+  with one full-attention layer in four, mixture-of-experts MLPs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+SLIDING_WINDOW = 16
+_MODEL_FILES = ("config.json", "model.safetensors", "tandem_demo.json")
+
+_COMMON = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "float32",
+}
+
+CONFIGS: dict[str, dict] = {
+    "sliding": {
+        "model_type": "llama",
+        "num_hidden_layers": 4,
+        "intermediate_size": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "layer_types": [
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+        ],
+        "sliding_window": SLIDING_WINDOW,
+    },
+    "lfm2": {
+        "model_type": "lfm2",
+        "num_hidden_layers": 4,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_ff_dim": 128,
+        "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "layer_types": ["conv", "full_attention", "conv", "conv"],
+        "rope_theta": 1000000.0,
+    },
+    "qwen3_next": {
+        "model_type": "qwen3_next",
+        "num_hidden_layers": 4,
+        "full_attention_interval": 4,
+        "intermediate_size": 128,
+        "head_dim": 16,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def build_tiny_arch(
+    kind: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0, noise: float = 0.0
+) -> Path:
+    """Write a random `kind` model (see `CONFIGS`) using `tokenizer_dir`'s tokenizer.
+
+    `noise` > 0 adds that much relative Gaussian noise to every layer weight of the
+    same random model (same `seed`): a draft that agrees with it mostly, not always."""
+    import importlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map, tree_map_with_path
+
+    from engines.demo import _scale_layer_weight
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for item in tokenizer_dir.iterdir():
+        if item.is_file() and item.name not in _MODEL_FILES:
+            shutil.copy(item, out_dir / item.name)
+    base = json.loads((tokenizer_dir / "config.json").read_text())
+    config = {
+        **_COMMON,
+        **CONFIGS[kind],
+        "vocab_size": base["vocab_size"],
+        "eos_token_id": base["eos_token_id"],
+    }
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    model.update(tree_map_with_path(_scale_layer_weight, model.parameters()))
+    if noise:
+        key = mx.random.key(seed + 1)
+
+        def perturb(value):
+            nonlocal key
+            key, sub = mx.random.split(key)
+            return value + noise * value.std() * mx.random.normal(value.shape, key=sub)
+
+        model.update(tree_map(perturb, model.parameters()))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir

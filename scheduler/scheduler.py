@@ -303,15 +303,18 @@ class Scheduler:
         if not self.speculation_supported:
             log.warning(
                 "speculation off: this model's KV caches cannot roll back rejected drafts "
-                "(recurrent or sliding-window layers); every request is served by plain "
-                "continuous batching"
+                "(recurrent or sliding-window layers); prompt lookup and any draft model are "
+                "not used, and every request is served by plain continuous batching"
             )
             self._policy = ModePolicy(batch_threshold=1, return_steps=config.batch_return_steps)
+            registry.draft = None  # never used: no request may draft on this model
+        drafting = self.speculation_supported
         self._spec = SpeculativeEngine(
             registry,
             SpecConfig(
-                num_draft_tokens=config.num_draft_tokens if self.speculation_supported else 0,
-                enable_pld=config.enable_pld and self.speculation_supported,
+                num_draft_tokens=config.num_draft_tokens if drafting else 0,
+                max_draft_tokens=SpecConfig.max_draft_tokens if drafting else 0,
+                enable_pld=config.enable_pld and drafting,
                 prefill_step_size=config.prefill_step_size,
             ),
             cost=config.cost_model or (None if self.speculation_supported else _NO_SPECULATION),

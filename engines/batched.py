@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from engines.logprobs import token_logprob
 from engines.registry import ModelRegistry
@@ -171,8 +171,28 @@ class BatchedEngine:
         del self._uids[seq.request_id]
         self._gates.pop(seq.request_id, None)
         if still_in_generator:
-            cache, tokens = self.generator.remove([uid], return_prompt_caches=True)[uid]
-            self.released.append(SequenceState(seq, cache, len(tokens)))
+            cache, fed = self.generator.remove([uid], return_prompt_caches=True)[uid]
+            state = _committed_state(seq, cache, list(fed))
+            if state is not None:
+                self.released.append(state)
 
     def close(self) -> None:
         self.generator.close()
+
+
+def _committed_state(seq: Sequence, cache: list, fed: list[int]) -> SequenceState | None:
+    """A finished sequence's cache cut back to committed tokens, for prefix reuse.
+
+    BatchGenerator feeds each token in the step that returns it, so a token whose
+    commit raised is in the cache without being in `seq.all_tokens`; it is trimmed
+    off. None when the cache cannot be made to hold exactly a committed prefix."""
+    committed = seq.all_tokens
+    extra = len(fed) - len(committed)
+    if extra > 0:
+        if not can_trim_prompt_cache(cache):
+            return None
+        trim_prompt_cache(cache, extra)
+        fed = fed[: len(committed)]
+    if fed != committed[: len(fed)]:
+        return None
+    return SequenceState(seq, cache, len(fed))

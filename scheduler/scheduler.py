@@ -514,10 +514,13 @@ class Scheduler:
         self._last_step = (shape, now)
 
     def _keep_finished_caches(self, engine) -> None:
+        """Finished requests' caches become prefix-cache entries keyed by exactly the
+        tokens they hold; a cache claiming more than its committed tokens is dropped
+        (a shorter key over a longer KV would corrupt every later hit)."""
         for state in engine.released:
-            if self._prefix is not None:
-                cached = min(state.cached, len(state.seq.all_tokens))
-                self._prefix.store(state.seq.all_tokens[:cached], state.cache)
+            tokens = state.seq.all_tokens
+            if self._prefix is not None and state.cached <= len(tokens):
+                self._prefix.store(tokens[: state.cached], state.cache)
         engine.released.clear()
 
     def _publish(self, output: StepOutput) -> None:

@@ -113,3 +113,37 @@ def test_lookup_always_leaves_one_token_to_feed(tiny_model_dir, reference):
     partial, cached = cache.lookup(other)
     assert cached == common and partial[0].offset == common
     assert cache.lookup([9999, 1, 2]) == (None, 0)
+
+
+async def test_failed_batched_request_leaves_no_cache_longer_than_its_key(
+    tiny_model_dir, reference
+):
+    """A commit that raises in the batched engine has already fed its token to the KV
+    cache; what the failed request leaves for reuse must hold only committed tokens."""
+    from engines.errors import RequestFailed
+
+    scheduler = start_scheduler(tiny_model_dir, fault_marker="FAULT")
+    try:
+        greedy = SamplingParams(temperature=0.0)
+        bad_prompt = reference.tokenizer.encode("FAULT: once upon a time there was")
+        other_prompt = reference.tokenizer.encode("Completely different words here")
+        bad = scheduler.submit(GenerationRequest("bad", tuple(bad_prompt), 20, greedy))
+        other = scheduler.submit(
+            GenerationRequest("other", tuple(other_prompt), 30, greedy, ignore_eos=True)
+        )
+        with pytest.raises(RequestFailed):
+            await bad.collect()
+        await other.collect()
+        assert scheduler.batched_engine is not None, "the fault must hit the batched engine"
+        # A prompt that extends the failed one (it carries the marker too, so it asks for
+        # fewer tokens than the fault needs).
+        committed = reference.greedy_tokens(bad_prompt, 3)
+        more = reference.tokenizer.encode(" and then", add_special_tokens=False)
+        extended = [*bad_prompt, *committed, *more]
+        events = await scheduler.submit(
+            GenerationRequest("ext", tuple(extended), 3, greedy, ignore_eos=True)
+        ).collect()
+    finally:
+        scheduler.stop()
+    assert events[-1].cached_tokens >= len(bad_prompt)
+    assert [t for e in events for t in e.token_ids] == reference.greedy_tokens(extended, 3)

@@ -606,12 +606,15 @@ class Scheduler:
         return timings
 
     def _abort_all(self, reason: str) -> None:
-        for request_id, tracked in list(self._running.items()):
-            engine = self._engine() if self._spec is not None else None
-            if engine is not None:
+        """End every request with an error event first, then free engine slots best
+        effort: the engine may be the thing that broke, and no client may hang on it."""
+        running, self._running = self._running, {}
+        waiting, self._waiting = self._waiting, deque()
+        for tracked in [*running.values(), *waiting]:
+            self._finish(tracked, FinishReason.CANCELLED, error=reason, error_kind="aborted")
+        engine = self._engine() if self._spec is not None else None
+        for request_id in running if engine is not None else ():
+            try:
                 engine.cancel(request_id)
-            self._finish(tracked, FinishReason.CANCELLED, error=reason, error_kind="aborted")
-        for tracked in self._waiting:
-            self._finish(tracked, FinishReason.CANCELLED, error=reason, error_kind="aborted")
-        self._running.clear()
-        self._waiting.clear()
+            except Exception:  # noqa: BLE001 - every stream has already ended
+                log.exception("could not cancel %s in the %s engine", request_id, engine.name)

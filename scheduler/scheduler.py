@@ -422,7 +422,8 @@ class Scheduler:
                     self._finish(tracked, FinishReason.LENGTH)
                     return
             else:
-                cache, cached = self._prefix.lookup(prompt) if self._prefix else (None, 0)
+                scope = tracked.request.cache_scope
+                cache, cached = self._prefix.lookup(prompt, scope) if self._prefix else (None, 0)
                 if cache is None:
                     cache, cached = make_prompt_cache(self.registry.target.model), 0
                 tracked.cached_tokens = cached
@@ -520,7 +521,9 @@ class Scheduler:
         for state in engine.released:
             tokens = state.seq.all_tokens
             if self._prefix is not None and state.cached <= len(tokens):
-                self._prefix.store(tokens[: state.cached], state.cache)
+                self._prefix.store(
+                    tokens[: state.cached], state.cache, state.seq.request.cache_scope
+                )
         engine.released.clear()
 
     def _publish(self, output: StepOutput) -> None:

@@ -147,3 +147,32 @@ async def test_failed_batched_request_leaves_no_cache_longer_than_its_key(
         scheduler.stop()
     assert events[-1].cached_tokens >= len(bad_prompt)
     assert [t for e in events for t in e.token_ids] == reference.greedy_tokens(extended, 3)
+
+
+async def test_prefix_cache_is_partitioned_by_api_key(fresh_scheduler):
+    """One key cannot learn from `cached_tokens` what another key's prompts were."""
+    messages = chat("What is my secret plan?")
+    async with make_client(fresh_scheduler, api_keys=("key-a", "key-b")) as client:
+
+        async def openai_chat(key: str) -> int:
+            response = await client.post(
+                "/v1/chat/completions",
+                json={"messages": messages, "max_tokens": 4, "temperature": 0},
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        async def anthropic_messages(key: str) -> int:
+            response = await client.post(
+                "/v1/messages",
+                json={"system": SYSTEM, "messages": messages[1:], "max_tokens": 4},
+                headers={"x-api-key": key},
+            )
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]["cache_read_input_tokens"]
+
+        assert await openai_chat("key-a") == 0
+        assert await openai_chat("key-b") == 0, "key B saw key A's prompt in the cache"
+        assert await anthropic_messages("key-b") > 0, "B's own entry is B's to reuse"
+        assert await openai_chat("key-a") > 0

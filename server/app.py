@@ -25,6 +25,7 @@ from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.config import ServerConfig
 from server.errors import ApiError, error_response_for, from_tandem_error
+from server.http import model_info_of
 from server.limits import BodySizeLimit, RateLimit
 from server.metrics import Metrics
 from server.responses import create_response, delete_response, retrieve_response
@@ -44,8 +45,9 @@ async def health(request: Request) -> JSONResponse:
 
 
 async def list_models(request: Request) -> JSONResponse:
+    """The served model; 503 with Retry-After until it has loaded, like generation."""
     config: ServerConfig = request.app.state.config
-    info = request.app.state.scheduler.model_info
+    info = model_info_of(request)
     return JSONResponse(
         {
             "object": "list",
@@ -56,7 +58,7 @@ async def list_models(request: Request) -> JSONResponse:
                     "created": request.app.state.started,
                     "owned_by": "tandem",
                     "root": config.scheduler.model,
-                    "max_model_len": info.context_length if info else None,
+                    "max_model_len": info.context_length,
                 }
             ],
         }

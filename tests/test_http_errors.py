@@ -115,3 +115,20 @@ async def test_every_surface_is_503_while_the_model_loads(tiny_model_dir, path):
         assert (await client.get("/health")).status_code == 503
     assert response.status_code == 503, response.text
     assert response.headers["retry-after"]
+
+
+async def test_model_list_is_503_with_retry_after_until_the_model_is_ready(tiny_model_dir):
+    from scheduler import Scheduler, SchedulerConfig
+
+    loading = Scheduler(SchedulerConfig(model=str(tiny_model_dir)))  # never started
+    async with make_client(loading) as client:
+        response = await client.get("/v1/models")
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"]
+    assert response.json()["error"]["type"] == "server_unavailable"
+
+
+async def test_model_list_names_the_model_once_ready(client):
+    response = await client.get("/v1/models")
+    assert response.status_code == 200
+    assert response.json()["data"][0]["id"] == MODEL_NAME

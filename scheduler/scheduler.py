@@ -308,6 +308,11 @@ class Scheduler:
     def speculative_engine(self) -> SpeculativeEngine | None:
         return self._spec
 
+    @property
+    def max_draft_tokens(self) -> int:
+        """The largest draft length a request can get (overrides are clamped to it)."""
+        return max(self.config.num_draft_tokens, SpecConfig.max_draft_tokens)
+
     def _engine(self) -> SpeculativeEngine | BatchedEngine:
         return self._spec if self._mode == Mode.SPECULATIVE else self._batched
 

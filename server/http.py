@@ -49,6 +49,9 @@ def decode_body(raw: bytes, model: type[Body]) -> Body:
         raise bad_request(f"request body has invalid Unicode (a lone surrogate): {exc}") from exc
     except RecursionError as exc:
         raise bad_request("request body is nested too deeply") from exc
+    except ValueError as exc:  # e.g. an integer past Python's 4300-digit parsing limit
+        reason = str(exc).split(";")[0]  # not the advice to call sys.set_int_max_str_digits
+        raise bad_request(f"request body has a value that cannot be parsed: {reason}") from exc
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
     try:

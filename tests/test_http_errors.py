@@ -132,3 +132,27 @@ async def test_model_list_names_the_model_once_ready(client):
     response = await client.get("/v1/models")
     assert response.status_code == 200
     assert response.json()["data"][0]["id"] == MODEL_NAME
+
+
+@pytest.mark.parametrize(
+    ("path", "shape"),
+    [
+        (COMPLETIONS, "openai"),
+        (CHAT, "openai"),
+        ("/v1/responses", "openai"),
+        ("/v1/messages", "anthropic"),
+        ("/v1/messages/count_tokens", "anthropic"),
+    ],
+)
+async def test_integer_too_long_to_parse_is_a_400_in_the_surface_shape(client, path, shape):
+    """Python refuses to parse integers of more than 4300 digits (a ValueError that is
+    not a JSONDecodeError); that is the client's input, not a server error."""
+    body = b'{"prompt": "hi", "messages": [], "input": "hi", "max_tokens": 1' + b"0" * 5000 + b"}"
+    response = await client.post(path, content=body)
+    assert response.status_code == 400, response.text
+    if shape == "anthropic":
+        error = response.json()
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    else:
+        assert response.json()["error"]["type"] == "invalid_request_error"
+    assert "digits" in response.text

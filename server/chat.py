@@ -62,7 +62,7 @@ def tool_call_arguments(call: dict, index: int) -> dict:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # also a 4300+ digit integer
             raise bad_request(
                 f"tool call arguments must be a JSON object: {exc}", f"messages[{index}]"
             ) from exc

@@ -106,7 +106,7 @@ def call_arguments(arguments: str, param: str) -> dict:
     """Chat templates render tool-call arguments as objects, not JSON text."""
     try:
         value = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError as exc:
+    except (ValueError, RecursionError) as exc:  # also a 4300+ digit integer
         raise bad_request(f"{param}.arguments must be a JSON object: {exc}", param) from exc
     if not isinstance(value, dict):
         raise bad_request(f"{param}.arguments must be a JSON object", param)

@@ -156,3 +156,56 @@ async def test_integer_too_long_to_parse_is_a_400_in_the_surface_shape(client, p
     else:
         assert response.json()["error"]["type"] == "invalid_request_error"
     assert "digits" in response.text
+
+
+HUGE_ARGUMENTS = '{"n": 1' + "0" * 5000 + "}"
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            CHAT,
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [
+                            {
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": HUGE_ARGUMENTS},
+                            }
+                        ],
+                    },
+                    {"role": "user", "content": "hi"},
+                ]
+            },
+        ),
+        (
+            "/v1/responses",
+            {
+                "input": [
+                    {
+                        "type": "function_call",
+                        "call_id": "c1",
+                        "name": "f",
+                        "arguments": HUGE_ARGUMENTS,
+                    },
+                    {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+                ]
+            },
+        ),
+    ],
+)
+async def test_tool_call_arguments_too_long_to_parse_are_a_400(client, path, body):
+    response = await client.post(path, json={**body, "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_model_written_arguments_too_long_to_parse_read_as_no_arguments():
+    from server.output_parser import ToolCall
+
+    assert ToolCall("f", HUGE_ARGUMENTS).arguments_object() == {}

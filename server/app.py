@@ -34,13 +34,16 @@ log = logging.getLogger(__name__)
 
 
 async def health(request: Request) -> JSONResponse:
+    """Open to anyone (supervisors, balancers): a failure is named, never detailed;
+    its exception is in the server log."""
     scheduler: Scheduler = request.app.state.scheduler
     state = scheduler.state
     healthy = state == SchedulerState.READY and not scheduler.draining
     status = "draining" if state == SchedulerState.READY and scheduler.draining else state.value
     body = {"status": "ok" if healthy else status}
-    if scheduler.error:
-        body["error"] = scheduler.error
+    if state == SchedulerState.FAILED:
+        loaded = scheduler.model_info is not None
+        body["error"] = "the engine failed" if loaded else "the model failed to load"
     return JSONResponse(body, status_code=200 if healthy else 503)
 
 

@@ -209,3 +209,41 @@ def test_model_written_arguments_too_long_to_parse_read_as_no_arguments():
     from server.output_parser import ToolCall
 
     assert ToolCall("f", HUGE_ARGUMENTS).arguments_object() == {}
+
+
+async def test_health_names_a_failure_without_its_details(tiny_model_dir, tmp_path, reference):
+    """/health is open to anyone; exception text (paths, internals) stays in the log."""
+    from engines.errors import RequestAborted
+    from engines.request import GenerationRequest
+    from scheduler import Scheduler, SchedulerConfig
+
+    secret = tmp_path / "secret-model-dir"
+    failed = Scheduler(SchedulerConfig(model=str(secret)))
+    failed.start()
+    assert not failed.wait_loaded(30)
+    try:
+        async with make_client(failed) as client:
+            response = await client.get("/health")
+    finally:
+        failed.stop()
+    assert "secret-model-dir" in failed.error
+    assert response.status_code == 503
+    assert response.json() == {"status": "failed", "error": "the model failed to load"}
+
+    broken = start_scheduler(tiny_model_dir)
+    try:
+
+        def step():
+            raise RuntimeError("secret engine detail")
+
+        broken._step = step
+        prompt = tuple(reference.tokenizer.encode("hi"))
+        with pytest.raises(RequestAborted):
+            await broken.submit(GenerationRequest("r", prompt, 4)).collect()
+        async with make_client(broken) as client:
+            response = await client.get("/health")
+    finally:
+        broken.stop()
+    assert "secret engine detail" in broken.error
+    assert response.status_code == 503
+    assert response.json() == {"status": "failed", "error": "the engine failed"}

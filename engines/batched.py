@@ -12,12 +12,12 @@ KV caches (`insert` / `extract`), so migration never re-prefills.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from engines.logprobs import token_logprob
 from engines.registry import ModelRegistry
@@ -36,22 +36,31 @@ def greedy(logprobs: mx.array) -> mx.array:
 
 
 class SamplerPool:
-    """One sampler per distinct unseeded parameter set (so rows batch together);
-    a seeded request gets its own sampler drawing from its own key chain."""
+    """One sampler per distinct unseeded set of the parameters a sampler uses
+    (temperature, top-p, top-k, min-p), so rows batch together; penalties and bias
+    are logits processors, not part of it. A seeded request gets its own sampler
+    drawing from its own key chain. The pool keeps the `max_size` most recently
+    used: a row holds its sampler itself, so forgetting one costs only batching."""
 
-    def __init__(self) -> None:
-        self._shared: dict[SamplingParams, Sampler] = {}
+    def __init__(self, max_size: int = 64) -> None:
+        self.max_size = max_size
+        self._shared: OrderedDict[SamplingParams, Sampler] = OrderedDict()
 
     def sampler_for(self, seq: Sequence) -> Sampler:
         params = seq.request.sampling
         if params.greedy:
             return greedy
+        key = SamplingParams(params.temperature, params.top_p, params.top_k, params.min_p)
         if params.seed is not None:
-            return _make_sampler(params, seq.rng)
-        key = replace(params, seed=None)
-        if key not in self._shared:
-            self._shared[key] = _make_sampler(params, RandomStream.from_seed(None))
-        return self._shared[key]
+            return _make_sampler(key, seq.rng)
+        sampler = self._shared.pop(key, None) or _make_sampler(key, RandomStream.from_seed(None))
+        self._shared[key] = sampler  # most recently used last
+        if len(self._shared) > self.max_size:
+            self._shared.popitem(last=False)
+        return sampler
+
+    def __len__(self) -> int:
+        return len(self._shared)
 
 
 def _make_sampler(params: SamplingParams, rng: RandomStream) -> Sampler:
@@ -173,8 +182,28 @@ class BatchedEngine:
         del self._uids[seq.request_id]
         self._gates.pop(seq.request_id, None)
         if still_in_generator:
-            cache, tokens = self.generator.remove([uid], return_prompt_caches=True)[uid]
-            self.released.append(SequenceState(seq, cache, len(tokens)))
+            cache, fed = self.generator.remove([uid], return_prompt_caches=True)[uid]
+            state = _committed_state(seq, cache, list(fed))
+            if state is not None:
+                self.released.append(state)
 
     def close(self) -> None:
         self.generator.close()
+
+
+def _committed_state(seq: Sequence, cache: list, fed: list[int]) -> SequenceState | None:
+    """A finished sequence's cache cut back to committed tokens, for prefix reuse.
+
+    BatchGenerator feeds each token in the step that returns it, so a token whose
+    commit raised is in the cache without being in `seq.all_tokens`; it is trimmed
+    off. None when the cache cannot be made to hold exactly a committed prefix."""
+    committed = seq.all_tokens
+    extra = len(fed) - len(committed)
+    if extra > 0:
+        if not can_trim_prompt_cache(cache):
+            return None
+        trim_exact(cache, extra)
+        fed = fed[: len(committed)]
+    if fed != committed[: len(fed)]:
+        return None
+    return SequenceState(seq, cache, len(fed))

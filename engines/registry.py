@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from engines.errors import DraftIncompatible
@@ -41,9 +42,18 @@ class LoadedModel:
 
 
 def load_model(path: str) -> LoadedModel:
-    """Load through `mlx_lm.load`, exactly as users of mlx-lm would."""
+    """Load through `mlx_lm.load`, exactly as users of mlx-lm would; a local path
+    that is no model directory is refused first, with a message a person can act on."""
     from mlx_lm import load
 
+    local = Path(path).expanduser()
+    if local.is_file():
+        raise ValueError(
+            f"{path} is a file; give an mlx-lm model directory (config.json and "
+            "*.safetensors, e.g. from mlx_lm.convert); GGUF files are not supported"
+        )
+    if path.startswith(("/", "./", "../", "~")) and not local.exists():
+        raise FileNotFoundError(f"no model directory at {path}")
     model, tokenizer, config = load(path, return_config=True)
     return LoadedModel(path=path, model=model, tokenizer=tokenizer, config=config)
 

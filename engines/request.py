@@ -65,3 +65,4 @@ class GenerationRequest:
     logprobs: int | None = None  # report each token's logprob and this many alternatives
     constraint: Constraint | None = None  # output must match this grammar
     prompt_logprobs: int | None = None  # score the prompt too, with this many alternatives
+    cache_scope: str = ""  # prefix reuse only among requests of one scope (an API key's id)

@@ -1,9 +1,11 @@
 """The mode policy: which engine owns the model for the next step.
 
 One active request is served by the speculative engine; `batch_threshold` or more by
-the batched engine. Going back waits until the load has stayed below the threshold
-for `return_steps` consecutive steps, so a brief dip does not flap between modes;
-a request arriving when nothing runs starts speculative at once.
+the batched engine. Going back needs at most one active request (the speculative
+engine holds one sequence, so with a threshold above 2 the batch keeps serving two),
+and waits until that has held for `return_steps` consecutive steps, so a brief dip
+does not flap between modes; a request arriving when nothing runs starts
+speculative at once.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ class Mode(str, enum.Enum):
 class ModePolicy:
     batch_threshold: int = 2
     return_steps: int = 4
-    _below: int = 0  # consecutive steps with load under the threshold while batched
+    _below: int = 0  # consecutive steps with one active request while batched
 
     def choose(self, current: Mode, active: int, idle: bool = False) -> Mode:
         """The mode for the next step, given the number of active requests; `idle`:
@@ -34,6 +36,9 @@ class ModePolicy:
         if active == 0 or idle:
             self._below = 0
             return Mode.SPECULATIVE
+        if active > 1:  # the speculative engine could take only one of them
+            self._below = 0
+            return current
         self._below += 1
         if self._below >= self.return_steps:
             self._below = 0

@@ -343,6 +343,11 @@ class Scheduler:
     def speculative_engine(self) -> SpeculativeEngine | None:
         return self._spec
 
+    @property
+    def max_draft_tokens(self) -> int:
+        """The largest draft length a request can get (overrides are clamped to it)."""
+        return max(self.config.num_draft_tokens, SpecConfig.max_draft_tokens)
+
     def _engine(self) -> SpeculativeEngine | BatchedEngine:
         return self._spec if self._mode == Mode.SPECULATIVE else self._batched
 
@@ -457,7 +462,8 @@ class Scheduler:
                     self._finish(tracked, FinishReason.LENGTH)
                     return
             else:
-                cache, cached = self._prefix.lookup(prompt) if self._prefix else (None, 0)
+                scope = tracked.request.cache_scope
+                cache, cached = self._prefix.lookup(prompt, scope) if self._prefix else (None, 0)
                 if cache is None:
                     cache, cached = make_prompt_cache(self.registry.target.model), 0
                 tracked.cached_tokens = cached
@@ -568,10 +574,15 @@ class Scheduler:
         self._last_step = (shape, now)
 
     def _keep_finished_caches(self, engine) -> None:
+        """Finished requests' caches become prefix-cache entries keyed by exactly the
+        tokens they hold; a cache claiming more than its committed tokens is dropped
+        (a shorter key over a longer KV would corrupt every later hit)."""
         for state in engine.released:
-            if self._prefix is not None:
-                cached = min(state.cached, len(state.seq.all_tokens))
-                self._prefix.store(state.seq.all_tokens[:cached], state.cache)
+            tokens = state.seq.all_tokens
+            if self._prefix is not None and state.cached <= len(tokens):
+                self._prefix.store(
+                    tokens[: state.cached], state.cache, state.seq.request.cache_scope
+                )
         engine.released.clear()
 
     def _publish(self, output: StepOutput) -> None:
@@ -657,12 +668,15 @@ class Scheduler:
         return timings
 
     def _abort_all(self, reason: str) -> None:
-        for request_id, tracked in list(self._running.items()):
-            engine = self._engine() if self._spec is not None else None
-            if engine is not None:
+        """End every request with an error event first, then free engine slots best
+        effort: the engine may be the thing that broke, and no client may hang on it."""
+        running, self._running = self._running, {}
+        waiting, self._waiting = self._waiting, deque()
+        for tracked in [*running.values(), *waiting]:
+            self._finish(tracked, FinishReason.CANCELLED, error=reason, error_kind="aborted")
+        engine = self._engine() if self._spec is not None else None
+        for request_id in running if engine is not None else ():
+            try:
                 engine.cancel(request_id)
-            self._finish(tracked, FinishReason.CANCELLED, error=reason, error_kind="aborted")
-        for tracked in self._waiting:
-            self._finish(tracked, FinishReason.CANCELLED, error=reason, error_kind="aborted")
-        self._running.clear()
-        self._waiting.clear()
+            except Exception:  # noqa: BLE001 - every stream has already ended
+                log.exception("could not cancel %s in the %s engine", request_id, engine.name)

@@ -49,7 +49,7 @@ from server.http import (
     off_the_loop,
     output_markers,
     parse_body,
-    scheduler_of,
+    submit,
 )
 from server.output_parser import OutputParser, ParsedDelta, ToolCall
 from server.prompts import RenderedChat, encode_text, render_chat
@@ -433,7 +433,7 @@ async def create_message(request: Request) -> Response:
     body = await parse_body(request, MessagesRequest)
     model = check_model(config_of(request), body.model)
     job = await off_the_loop(to_job, request, body, model)
-    stream = scheduler_of(request).submit(job.gen)
+    stream = submit(request, job.gen)
     parser = OutputParser(output_markers(request), job.tools, job.starts_in_reasoning)
     if body.stream:
         events = message_events(job, parser, events_until_done(request, stream))

@@ -25,6 +25,7 @@ from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.config import ServerConfig
 from server.errors import ApiError, error_response_for, from_tandem_error
+from server.http import model_info_of
 from server.limits import BodySizeLimit, RateLimit
 from server.metrics import Metrics
 from server.responses import create_response, delete_response, retrieve_response
@@ -33,19 +34,23 @@ log = logging.getLogger(__name__)
 
 
 async def health(request: Request) -> JSONResponse:
+    """Open to anyone (supervisors, balancers): a failure is named, never detailed;
+    its exception is in the server log."""
     scheduler: Scheduler = request.app.state.scheduler
     state = scheduler.state
     healthy = state == SchedulerState.READY and not scheduler.draining
     status = "draining" if state == SchedulerState.READY and scheduler.draining else state.value
     body = {"status": "ok" if healthy else status}
-    if scheduler.error:
-        body["error"] = scheduler.error
+    if state == SchedulerState.FAILED:
+        loaded = scheduler.model_info is not None
+        body["error"] = "the engine failed" if loaded else "the model failed to load"
     return JSONResponse(body, status_code=200 if healthy else 503)
 
 
 async def list_models(request: Request) -> JSONResponse:
+    """The served model; 503 with Retry-After until it has loaded, like generation."""
     config: ServerConfig = request.app.state.config
-    info = request.app.state.scheduler.model_info
+    info = model_info_of(request)
     return JSONResponse(
         {
             "object": "list",
@@ -56,7 +61,7 @@ async def list_models(request: Request) -> JSONResponse:
                     "created": request.app.state.started,
                     "owned_by": "tandem",
                     "root": config.scheduler.model,
-                    "max_model_len": info.context_length if info else None,
+                    "max_model_len": info.context_length,
                 }
             ],
         }

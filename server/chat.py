@@ -29,7 +29,7 @@ from server.http import (
     off_the_loop,
     output_markers,
     parse_body,
-    scheduler_of,
+    submit,
 )
 from server.logprobs_format import chat_logprobs, merge
 from server.output_parser import OutputParser, ParsedDelta, ToolCall
@@ -62,7 +62,7 @@ def tool_call_arguments(call: dict, index: int) -> dict:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # also a 4300+ digit integer
             raise bad_request(
                 f"tool call arguments must be a JSON object: {exc}", f"messages[{index}]"
             ) from exc
@@ -185,7 +185,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     model = check_model(config_of(request), body.model)
     job = await off_the_loop(to_job, request, body, model)
-    stream = scheduler_of(request).submit(job.gen)
+    stream = submit(request, job.gen)
     parser = new_parser(request, job)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

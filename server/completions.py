@@ -23,7 +23,7 @@ from server.http import (
     model_info_of,
     off_the_loop,
     parse_body,
-    scheduler_of,
+    submit,
 )
 from server.logprobs_format import completion_logprobs, join_logprobs, merge, prompt_logprobs
 from server.prompts import completion_prompt_ids, fim_prompt_ids
@@ -130,7 +130,7 @@ async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     model = check_model(config_of(request), body.model)
     job = await off_the_loop(to_job, request, body, model)
-    stream = scheduler_of(request).submit(job.gen)
+    stream = submit(request, job.gen)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = completion_chunks(job, events_until_done(request, stream), include_usage)

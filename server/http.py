@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import TypeVar
 
 import anyio
@@ -12,7 +13,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from engines.errors import ServerNotReady, TandemError
+from engines.request import GenerationRequest
 from scheduler import RequestStream, Scheduler, TokenEvent
+from server.auth import caller_key_id
 from server.config import ServerConfig
 from server.errors import ApiError, bad_request
 
@@ -46,6 +49,9 @@ def decode_body(raw: bytes, model: type[Body]) -> Body:
         raise bad_request(f"request body has invalid Unicode (a lone surrogate): {exc}") from exc
     except RecursionError as exc:
         raise bad_request("request body is nested too deeply") from exc
+    except ValueError as exc:  # e.g. an integer past Python's 4300-digit parsing limit
+        reason = str(exc).split(";")[0]  # not the advice to call sys.set_int_max_str_digits
+        raise bad_request(f"request body has a value that cannot be parsed: {reason}") from exc
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
     try:
@@ -73,6 +79,13 @@ def check_model(config: ServerConfig, requested: str | None) -> str:
 
 def scheduler_of(request: Request) -> Scheduler:
     return request.app.state.scheduler
+
+
+def submit(request: Request, gen: GenerationRequest) -> RequestStream:
+    """Hand `gen` to the scheduler; its prefix reuse stays within the caller's API key
+    (one shared scope when the server has no keys)."""
+    scope = caller_key_id(request.scope) or ""
+    return scheduler_of(request).submit(replace(gen, cache_scope=scope))
 
 
 def model_info_of(request: Request):

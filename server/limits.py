@@ -1,4 +1,4 @@
-"""Request limits as small ASGI middlewares: body size (413) and per-key rate (429).
+"""Request limits as small ASGI middlewares: body size (413) and per-caller rate (429).
 
 Both answer in OpenAI's error shape before the app parses anything, so a hostile
 client cannot make the server buffer a huge body or flood the queue.
@@ -7,12 +7,13 @@ client cannot make the server buffer a huge body or flood the queue.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.auth import presented_key
+from server.auth import caller_key_id
 from server.errors import ApiError, error_response_for
 
 
@@ -78,20 +79,38 @@ class _Bucket:
 
 
 class RateLimit:
-    """Token bucket per API key (or per client address when no key is presented):
-    `per_minute` requests a minute on average, bursts up to the same number."""
+    """Token bucket per caller: the API key it was accepted with (the key middleware
+    runs first), or its client address when the server has no keys; a header nobody
+    checked names no one. `per_minute` requests a minute on average, bursts up to
+    the same number.
+
+    Buckets are kept in least-recently-used order. One untouched for a minute is
+    full again, the same as a new one, so it is dropped; beyond `max_buckets`
+    callers the least recently seen are forgotten (they get a fresh burst)."""
 
     EXEMPT = frozenset({"/health", "/metrics"})
+    REFILL_S = 60.0  # an idle bucket is full again after this long
 
-    def __init__(self, app: ASGIApp, per_minute: float, on_refused: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        per_minute: float,
+        on_refused: Callable[[], None],
+        max_buckets: int = 4096,
+    ) -> None:
         self.app = app
         self.per_minute = per_minute
         self.on_refused = on_refused
-        self.buckets: dict[str, _Bucket] = {}
+        self.max_buckets = max_buckets
+        self.buckets: OrderedDict[str, _Bucket] = OrderedDict()
 
     def allow(self, who: str, now: float) -> float:
         """0 if allowed (and charged), else seconds until a request would be."""
-        bucket = self.buckets.setdefault(who, _Bucket(self.per_minute, now))
+        self._forget_idle(now)
+        bucket = self.buckets.pop(who, None) or _Bucket(self.per_minute, now)
+        self.buckets[who] = bucket  # most recently seen last
+        if len(self.buckets) > self.max_buckets:
+            self.buckets.popitem(last=False)
         rate = self.per_minute / 60.0
         bucket.tokens = min(self.per_minute, bucket.tokens + (now - bucket.updated) * rate)
         bucket.updated = now
@@ -100,12 +119,20 @@ class RateLimit:
             return 0.0
         return (1 - bucket.tokens) / rate
 
+    def _forget_idle(self, now: float) -> None:
+        while self.buckets:
+            who, oldest = next(iter(self.buckets.items()))
+            if now - oldest.updated < self.REFILL_S:
+                return
+            del self.buckets[who]
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.EXEMPT:
             await self.app(scope, receive, send)
             return
         client = scope.get("client") or ("?", 0)
-        who = presented_key(dict(scope["headers"])) or f"addr:{client[0]}"
+        key = caller_key_id(scope)
+        who = f"key:{key}" if key else f"addr:{client[0]}"
         wait = self.allow(who, time.monotonic())
         if not wait:
             await self.app(scope, receive, send)

@@ -212,6 +212,12 @@ class Metrics:
             self.method_accepted.labels(m, method)
         for gate in GATES:
             self.gate_trips.labels(m, gate)
+        for position in range(self.scheduler.max_draft_tokens):
+            self.accepted_per_pos.labels(m, str(position))
+        for mode in Mode:
+            for other in Mode:
+                if other != mode:
+                    self.mode_switches.labels(m, mode.value, other.value)
         for name in (
             "drafts",
             "draft_tokens",

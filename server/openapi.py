@@ -310,7 +310,15 @@ ENDPOINTS = (
         errors=GENERATION_ERRORS,
         error_model=AnthropicError,
     ),
-    Endpoint("GET", "/v1/models", "The served model", "openai", response=ModelList),
+    # 503 with Retry-After until the model has loaded, like generation.
+    Endpoint(
+        "GET",
+        "/v1/models",
+        "The served model",
+        "openai",
+        response=ModelList,
+        errors=(*READ_ERRORS, 503),
+    ),
     # While loading (or after a load failure) /health answers 503 with its own body.
     Endpoint(
         "GET",

@@ -64,7 +64,7 @@ class ToolCall:
     def arguments_object(self) -> dict:
         try:
             value = json.loads(self.arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # also a 4300+ digit integer
             return {}
         return value if isinstance(value, dict) else {}
 

@@ -41,7 +41,7 @@ from server.http import (
     off_the_loop,
     output_markers,
     parse_body,
-    scheduler_of,
+    submit,
 )
 from server.output_parser import OutputParser, ParsedDelta, ToolCall
 from server.prompts import render_chat
@@ -106,7 +106,7 @@ def call_arguments(arguments: str, param: str) -> dict:
     """Chat templates render tool-call arguments as objects, not JSON text."""
     try:
         value = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError as exc:
+    except (ValueError, RecursionError) as exc:  # also a 4300+ digit integer
         raise bad_request(f"{param}.arguments must be a JSON object: {exc}", param) from exc
     if not isinstance(value, dict):
         raise bad_request(f"{param}.arguments must be a JSON object", param)
@@ -464,7 +464,7 @@ async def create_response(request: Request) -> Response:
     body = await parse_body(request, ResponsesRequest)
     model = check_model(config_of(request), body.model)
     job = await off_the_loop(to_job, request, body, model)
-    stream = scheduler_of(request).submit(job.gen)
+    stream = submit(request, job.gen)
     parser = OutputParser(output_markers(request), job.tools, job.starts_in_reasoning)
     store = store_of(request)
     if body.stream:

@@ -5,6 +5,9 @@ Drain: the first signal stops new requests (503, /health turns 503 so balancers 
 away), lets in-flight ones finish for up to --shutdown-timeout, aborts the rest so
 their streams end with an error event, then stops uvicorn and exits 0. A second
 signal exits at once.
+
+A model that cannot load stops the server too: it exits 1 with the reason on
+stderr, so a supervisor restarts it and a person sees why.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import uvicorn
 
+from scheduler import SchedulerState
 from scheduler.config import SchedulerConfig
 from server.config import ServerConfig
 from server.logging_setup import uvicorn_log_config
@@ -113,6 +117,15 @@ class DrainingServer(uvicorn.Server):
         self.scheduler = scheduler
         self.shutdown_timeout = shutdown_timeout
         self._drain_task: asyncio.Task | None = None
+        self.load_error: str | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        scheduler = self.scheduler
+        if self.load_error is None and scheduler.state == SchedulerState.FAILED:
+            if scheduler.model_info is None:  # the model never loaded: nothing to serve
+                self.load_error = scheduler.error or "model load failed"
+                self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame) -> None:
         if self._drain_task is not None or self.should_exit:
@@ -169,4 +182,7 @@ def serve(args: argparse.Namespace) -> None:
         timeout_graceful_shutdown=5,
         log_config=uvicorn_log_config(args.log_format),
     )
-    DrainingServer(uvicorn_config, app.state.scheduler, config.shutdown_timeout).run()
+    server = DrainingServer(uvicorn_config, app.state.scheduler, config.shutdown_timeout)
+    server.run()
+    if server.load_error:
+        raise SystemExit(f"tandem serve: {server.load_error}")

@@ -115,3 +115,135 @@ async def test_every_surface_is_503_while_the_model_loads(tiny_model_dir, path):
         assert (await client.get("/health")).status_code == 503
     assert response.status_code == 503, response.text
     assert response.headers["retry-after"]
+
+
+async def test_model_list_is_503_with_retry_after_until_the_model_is_ready(tiny_model_dir):
+    from scheduler import Scheduler, SchedulerConfig
+
+    loading = Scheduler(SchedulerConfig(model=str(tiny_model_dir)))  # never started
+    async with make_client(loading) as client:
+        response = await client.get("/v1/models")
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"]
+    assert response.json()["error"]["type"] == "server_unavailable"
+
+
+async def test_model_list_names_the_model_once_ready(client):
+    response = await client.get("/v1/models")
+    assert response.status_code == 200
+    assert response.json()["data"][0]["id"] == MODEL_NAME
+
+
+@pytest.mark.parametrize(
+    ("path", "shape"),
+    [
+        (COMPLETIONS, "openai"),
+        (CHAT, "openai"),
+        ("/v1/responses", "openai"),
+        ("/v1/messages", "anthropic"),
+        ("/v1/messages/count_tokens", "anthropic"),
+    ],
+)
+async def test_integer_too_long_to_parse_is_a_400_in_the_surface_shape(client, path, shape):
+    """Python refuses to parse integers of more than 4300 digits (a ValueError that is
+    not a JSONDecodeError); that is the client's input, not a server error."""
+    body = b'{"prompt": "hi", "messages": [], "input": "hi", "max_tokens": 1' + b"0" * 5000 + b"}"
+    response = await client.post(path, content=body)
+    assert response.status_code == 400, response.text
+    if shape == "anthropic":
+        error = response.json()
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    else:
+        assert response.json()["error"]["type"] == "invalid_request_error"
+    assert "digits" in response.text
+
+
+HUGE_ARGUMENTS = '{"n": 1' + "0" * 5000 + "}"
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            CHAT,
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [
+                            {
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": HUGE_ARGUMENTS},
+                            }
+                        ],
+                    },
+                    {"role": "user", "content": "hi"},
+                ]
+            },
+        ),
+        (
+            "/v1/responses",
+            {
+                "input": [
+                    {
+                        "type": "function_call",
+                        "call_id": "c1",
+                        "name": "f",
+                        "arguments": HUGE_ARGUMENTS,
+                    },
+                    {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+                ]
+            },
+        ),
+    ],
+)
+async def test_tool_call_arguments_too_long_to_parse_are_a_400(client, path, body):
+    response = await client.post(path, json={**body, "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_model_written_arguments_too_long_to_parse_read_as_no_arguments():
+    from server.output_parser import ToolCall
+
+    assert ToolCall("f", HUGE_ARGUMENTS).arguments_object() == {}
+
+
+async def test_health_names_a_failure_without_its_details(tiny_model_dir, tmp_path, reference):
+    """/health is open to anyone; exception text (paths, internals) stays in the log."""
+    from engines.errors import RequestAborted
+    from engines.request import GenerationRequest
+    from scheduler import Scheduler, SchedulerConfig
+
+    secret = tmp_path / "secret-model-dir"
+    failed = Scheduler(SchedulerConfig(model=str(secret)))
+    failed.start()
+    assert not failed.wait_loaded(30)
+    try:
+        async with make_client(failed) as client:
+            response = await client.get("/health")
+    finally:
+        failed.stop()
+    assert "secret-model-dir" in failed.error
+    assert response.status_code == 503
+    assert response.json() == {"status": "failed", "error": "the model failed to load"}
+
+    broken = start_scheduler(tiny_model_dir)
+    try:
+
+        def step():
+            raise RuntimeError("secret engine detail")
+
+        broken._step = step
+        prompt = tuple(reference.tokenizer.encode("hi"))
+        with pytest.raises(RequestAborted):
+            await broken.submit(GenerationRequest("r", prompt, 4)).collect()
+        async with make_client(broken) as client:
+            response = await client.get("/health")
+    finally:
+        broken.stop()
+    assert "secret engine detail" in broken.error
+    assert response.status_code == 503
+    assert response.json() == {"status": "failed", "error": "the engine failed"}

@@ -222,3 +222,36 @@ async def test_a_seeded_request_gives_the_same_tokens_alone_and_under_load(
         assert scheduler.counters.mode_switches.get(("speculative", "batched"), 0) >= 2
     finally:
         scheduler.stop()
+
+
+def test_policy_returns_to_speculation_only_with_one_request_left():
+    """The single-stream engine holds one request: below a threshold of 3, two active
+    requests stay batched however long they run."""
+    policy = ModePolicy(batch_threshold=3, return_steps=2)
+    assert policy.choose(Mode.SPECULATIVE, 3) == Mode.BATCHED
+    for _ in range(10):
+        assert policy.choose(Mode.BATCHED, 2) == Mode.BATCHED
+    assert policy.choose(Mode.BATCHED, 1) == Mode.BATCHED
+    assert policy.choose(Mode.BATCHED, 1) == Mode.SPECULATIVE
+
+
+async def test_threshold_three_survives_the_first_of_three_finishing(tiny_model_dir, reference):
+    from scheduler.scheduler import SchedulerState
+
+    scheduler = start_scheduler(tiny_model_dir, batch_threshold=3, batch_return_steps=1)
+    try:
+        prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:3]]
+        lengths = [5, 60, 60]
+        streams = [
+            scheduler.submit(request(f"t3-{i}", p, m))
+            for i, (p, m) in enumerate(zip(prompts, lengths, strict=True))
+        ]
+        results = await asyncio.wait_for(
+            asyncio.gather(*(tokens_of(s) for s in streams)), timeout=120
+        )
+        for prompt, length, tokens in zip(prompts, lengths, results, strict=True):
+            assert tokens == reference.greedy_tokens(prompt, length)
+        assert scheduler.counters.mode_switches.get(("speculative", "batched"), 0) >= 1
+        assert scheduler.state == SchedulerState.READY, scheduler.error
+    finally:
+        scheduler.stop()

@@ -295,3 +295,21 @@ def test_dashboard_metric_list_matches_the_live_exposition(spec_scheduler):
         suffix = "_total" if family.type == "counter" else ""
         exported.add(family.name + suffix)
     assert exported == set(EXPORTED_METRICS)
+
+
+@pytest.mark.parametrize(("num_draft_tokens", "k_max"), [(4, 8), (10, 10)])
+async def test_labelled_series_exist_at_zero_from_startup(tiny_model_dir, num_draft_tokens, k_max):
+    """Dashboards and rate() queries need every bounded series before its first use:
+    each draft position up to the largest k a request may ask for, both switch ways."""
+    from scheduler import Scheduler, SchedulerConfig
+
+    fresh = Scheduler(SchedulerConfig(model=str(tiny_model_dir), num_draft_tokens=num_draft_tokens))
+    async with make_client(fresh) as client:
+        snapshot = await scrape(client)
+    per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    positions = {dict(labels)["position"] for name, labels in snapshot if name == per_pos}
+    assert positions == {str(p) for p in range(k_max)}
+    for source, target in (("speculative", "batched"), ("batched", "speculative")):
+        key = ("tandem_mode_switches_total", (("from", source), ("to", target)))
+        assert snapshot[key] == 0
+    assert all(snapshot[(per_pos, (("position", str(p)),))] == 0 for p in range(k_max))

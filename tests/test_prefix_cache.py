@@ -152,3 +152,66 @@ async def test_a_plain_turn_ending_in_eos_is_stored_for_the_next_turn(tiny_model
         assert events[-1].cached_tokens >= len(prompt) + len(generated)
     finally:
         scheduler.stop()
+
+
+async def test_failed_batched_request_leaves_no_cache_longer_than_its_key(
+    tiny_model_dir, reference
+):
+    """A commit that raises in the batched engine has already fed its token to the KV
+    cache; what the failed request leaves for reuse must hold only committed tokens."""
+    from engines.errors import RequestFailed
+
+    scheduler = start_scheduler(tiny_model_dir, fault_marker="FAULT")
+    try:
+        greedy = SamplingParams(temperature=0.0)
+        bad_prompt = reference.tokenizer.encode("FAULT: once upon a time there was")
+        other_prompt = reference.tokenizer.encode("Completely different words here")
+        bad = scheduler.submit(GenerationRequest("bad", tuple(bad_prompt), 20, greedy))
+        other = scheduler.submit(
+            GenerationRequest("other", tuple(other_prompt), 30, greedy, ignore_eos=True)
+        )
+        with pytest.raises(RequestFailed):
+            await bad.collect()
+        await other.collect()
+        assert scheduler.batched_engine is not None, "the fault must hit the batched engine"
+        # A prompt that extends the failed one (it carries the marker too, so it asks for
+        # fewer tokens than the fault needs).
+        committed = reference.greedy_tokens(bad_prompt, 3)
+        more = reference.tokenizer.encode(" and then", add_special_tokens=False)
+        extended = [*bad_prompt, *committed, *more]
+        events = await scheduler.submit(
+            GenerationRequest("ext", tuple(extended), 3, greedy, ignore_eos=True)
+        ).collect()
+    finally:
+        scheduler.stop()
+    assert events[-1].cached_tokens >= len(bad_prompt)
+    assert [t for e in events for t in e.token_ids] == reference.greedy_tokens(extended, 3)
+
+
+async def test_prefix_cache_is_partitioned_by_api_key(fresh_scheduler):
+    """One key cannot learn from `cached_tokens` what another key's prompts were."""
+    messages = chat("What is my secret plan?")
+    async with make_client(fresh_scheduler, api_keys=("key-a", "key-b")) as client:
+
+        async def openai_chat(key: str) -> int:
+            response = await client.post(
+                "/v1/chat/completions",
+                json={"messages": messages, "max_tokens": 4, "temperature": 0},
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        async def anthropic_messages(key: str) -> int:
+            response = await client.post(
+                "/v1/messages",
+                json={"system": SYSTEM, "messages": messages[1:], "max_tokens": 4},
+                headers={"x-api-key": key},
+            )
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]["cache_read_input_tokens"]
+
+        assert await openai_chat("key-a") == 0
+        assert await openai_chat("key-b") == 0, "key B saw key A's prompt in the cache"
+        assert await anthropic_messages("key-b") > 0, "B's own entry is B's to reuse"
+        assert await openai_chat("key-a") > 0

@@ -166,3 +166,26 @@ def test_speculation_flags_reach_the_engine(tiny_model_dir, tiny_draft_dir):
         proc.wait_for_log(r"speculation: methods=pld\+draft k=3")
     with running_server([str(tiny_model_dir), "--no-pld"], dict(os.environ)) as proc:
         proc.wait_for_log(r"speculation: methods=none k=4")
+
+
+@pytest.mark.parametrize("model", ["missing directory", "gguf file"])
+def test_a_model_that_cannot_load_exits_nonzero_with_the_reason(tmp_path, model):
+    """A supervisor (systemd, launchd) restarts and a person sees why, instead of a
+    process that stays up answering 503 forever."""
+    if model == "gguf file":
+        path = tmp_path / "model.gguf"
+        path.write_bytes(b"GGUF" + bytes(60))
+    else:
+        path = tmp_path / "nonexistent"
+    started = time.monotonic()
+    result = subprocess.run(
+        [TANDEM, "serve", str(path), "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env_without(*BLAS_PRELOAD),
+    )
+    assert result.returncode != 0
+    assert time.monotonic() - started < 30
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert "model load failed" in last_line and str(path) in last_line, result.stderr

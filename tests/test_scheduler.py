@@ -57,3 +57,39 @@ async def test_queue_bound_refuses_excess_requests(tiny_model_dir, reference):
 def test_context_overflow_is_refused_at_submit(scheduler):
     with pytest.raises(ContextTooLong):
         scheduler.submit(request("x", [5] * 2000, 100))
+
+
+def broken(message: str):
+    def fail(*args, **kwargs):
+        raise RuntimeError(message)
+
+    return fail
+
+
+async def one_running_one_waiting(scheduler, reference):
+    prompt = reference.tokenizer.encode("Once upon")
+    running = scheduler.submit(request("running", prompt, 1900))
+    waiting = scheduler.submit(request("waiting", prompt, 10))
+    async for _ in running:
+        break  # it is decoding
+    return running, waiting
+
+
+@pytest.mark.parametrize("how", ["engine failure", "abort_all"])
+async def test_every_stream_ends_when_cancel_raises_while_aborting(tiny_model_dir, reference, how):
+    """Aborting finishes every stream first; cancelling in a broken engine is best effort."""
+    from engines.errors import RequestAborted
+
+    scheduler = start_scheduler(tiny_model_dir, batch_threshold=10)
+    try:
+        running, waiting = await one_running_one_waiting(scheduler, reference)
+        scheduler._spec.cancel = broken("cancel in a broken engine")
+        if how == "engine failure":
+            scheduler._step = broken("the engine loop broke")
+        else:
+            scheduler.abort_all("server is shutting down")
+        for stream in (running, waiting):
+            with pytest.raises(RequestAborted):
+                await asyncio.wait_for(stream.collect(), timeout=10)
+    finally:
+        scheduler.stop()

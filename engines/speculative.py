@@ -16,6 +16,7 @@ sampled but not yet committed. `export` settles that and hands the state over.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -38,6 +39,8 @@ from engines.rollback import trim_exact
 from engines.sampling import coupled_tokens, filter_logprobs, sample_token
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.telemetry import SpecStats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,15 @@ class SpeculativeEngine:
         """Hand the sequence over at a step boundary. A plain token already in flight
         is committed first; its output is returned so the caller can publish it."""
         active = self.active
-        outputs = self._commit_in_flight(pipeline=False) if active.in_flight is not None else []
+        outputs = []
+        try:
+            if active.in_flight is not None:
+                outputs = self._commit_in_flight(pipeline=False)
+        except Exception as exc:  # noqa: BLE001 - a failing commit fails its request only
+            log.exception("request %s failed while being handed over", active.seq.request_id)
+            active.seq.finish_reason = FinishReason.ERROR
+            error = StepOutput(active.seq.request_id, [], "", FinishReason.ERROR, error=str(exc))
+            outputs = [error]
         self.active = None
         state = SequenceState(
             active.seq, active.cache, active.cached, active.gates, active.pld, active.draft

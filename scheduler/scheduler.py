@@ -159,7 +159,8 @@ class Scheduler:
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Admit a request and return its event stream (call on the event loop)."""
         if self.state != SchedulerState.READY or self._stopping:
-            raise ServerNotReady(self.error or f"server is {self.state.value}")
+            # The failure's detail is in the log; clients get the state, not the exception.
+            raise ServerNotReady(f"server is {self.state.value}")
         if self.draining:
             raise ServerNotReady("server is shutting down")
         self._validate(request)

@@ -327,3 +327,29 @@ def test_each_request_drafts_from_its_own_ngram_index(pld_engine, reference):
         assert drafter.tokens == b, "the index holds B's tokens only"
     finally:
         pld_engine.cancel("b")
+
+
+def test_a_commit_failing_during_hand_over_fails_only_that_request(tiny_model_dir, reference):
+    """Export commits a pipelined token in flight; if that commit raises (a broken
+    constraint, a fault), the request ends with an error output instead of the
+    exception escaping into the mode switch (which failed the whole server)."""
+    engine = make_engine(tiny_model_dir, enable_pld=False)
+    prompt = reference.tokenizer.encode(STORY_PROMPT)
+    request = GenerationRequest("h", tuple(prompt), 50, GREEDY, ignore_eos=True)
+    seq = make_sequence(request, reference.tokenizer)
+    engine.add(seq)
+    while len(seq.generated) < 5:
+        engine.step()
+    assert engine.active.in_flight is not None, "plain steps are pipelined"
+
+    class Broken:
+        failure = "constrained decoding failed: broken matcher"
+
+        def __call__(self, tokens, logits):
+            return logits
+
+    seq.processors.append(Broken())
+    state, outputs = engine.export()
+    assert engine.active is None
+    assert state.seq.finish_reason == FinishReason.ERROR
+    assert outputs[-1].finish_reason == FinishReason.ERROR and "broken" in outputs[-1].error

@@ -1,0 +1,172 @@
+"""Long work never freezes the other streams: a long prompt scored for echo + logprobs
+is scored a chunk per engine step, between the running streams' steps, and a grammar's
+matcher is built in the request's worker thread, never on the engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from engines.logprobs import token_logprobs
+from engines.request import GenerationRequest, SamplingParams
+from server.logprobs_format import token_text
+from tests.conftest import MODEL_NAME, make_client, start_scheduler
+from tests.test_logprobs_echo_fim import assert_prompt_logprobs_match, reference_logprobs
+
+CHUNK = 256  # prompt tokens scored (and prefilled) per engine step in these tests
+LONG_PROMPT = 12 * CHUNK + 1  # scored in 12 full chunks (all but the last token)
+TEXT = "def add(a, b):\n    return a + b\nThe quick brown fox jumps over the lazy dog.\n"
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def long_context_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with room for prompts of several thousand tokens."""
+    out = tmp_path_factory.mktemp("models") / "long-context"
+    shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True)
+    config = json.loads((out / "config.json").read_text())
+    config["max_position_embeddings"] = 8192
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def chunked(long_context_dir):
+    scheduler = start_scheduler(
+        long_context_dir, prefill_step_size=CHUNK, batch_prefill_step_size=CHUNK
+    )
+    yield scheduler
+    scheduler.stop()
+
+
+def prompt_of(tokenizer, length: int) -> list[int]:
+    ids = tokenizer.encode(TEXT)
+    return (ids * (length // len(ids) + 1))[:length]
+
+
+async def warm_up(scheduler, tokenizer) -> None:
+    """Two requests at once (so the batched engine exists) and a short scored prompt
+    (so MLX has compiled its kernels for a chunk's shapes) before anything is timed."""
+    prompt = tuple(prompt_of(tokenizer, 20))
+    streams = [scheduler.submit(GenerationRequest(f"warm{i}", prompt, 4, GREEDY)) for i in range(2)]
+    scored = tuple(prompt_of(tokenizer, 2 * CHUNK + 1))
+    streams.append(scheduler.submit(GenerationRequest("warm", scored, 0, prompt_logprobs=1)))
+    await asyncio.gather(*(s.collect() for s in streams))
+    assert scheduler.batched_engine is not None
+
+
+def slowest_chunk_seconds(model, prompt: list[int], chunk: int) -> float:
+    """The longest time scoring one `chunk` of the prompt takes here (a forward over
+    the chunk with the cache of the tokens before it, then its log-probabilities)."""
+    cache = make_prompt_cache(model)
+    body = prompt[:-1]
+    slowest = 0.0
+    for start in range(0, len(body), chunk):
+        started = time.perf_counter()
+        piece = body[start : start + chunk]
+        logits = model(mx.array(piece)[None], cache=cache)[0].astype(mx.float32)
+        mx.eval([c.state for c in cache])
+        rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token_logprobs(rows, prompt[start + 1 : start + 1 + len(piece)], 1)
+        slowest = max(slowest, time.perf_counter() - started)
+    return slowest
+
+
+async def arrivals_until(stream, started: asyncio.Event, until: asyncio.Event) -> list[float]:
+    """When each of the stream's tokens arrived, up to the first one after `until` is
+    set; `started` is set once two tokens arrived. Then the stream is cancelled."""
+    arrivals: list[float] = []
+    async for event in stream:
+        arrivals += [time.monotonic()] * len(event.token_ids)
+        if len(arrivals) >= 2:
+            started.set()
+        if until.is_set():
+            break
+    stream.cancel()
+    return arrivals
+
+
+async def test_a_long_scored_prompt_does_not_stall_a_running_stream(chunked, reference):
+    """While a 3k-token prompt is scored beside it, a stream's tokens keep coming: its
+    longest gap is under twice its median gap plus the time one chunk takes."""
+    tokenizer = reference.tokenizer
+    await warm_up(chunked, tokenizer)
+    long_prompt = prompt_of(tokenizer, LONG_PROMPT)
+    stream = chunked.submit(
+        GenerationRequest("stream", tuple(prompt_of(tokenizer, 16)), 600, GREEDY, ignore_eos=True)
+    )
+    started, scored_done = asyncio.Event(), asyncio.Event()
+    watcher = asyncio.create_task(arrivals_until(stream, started, scored_done))
+    await started.wait()
+    request = GenerationRequest("scored", tuple(long_prompt), 0, GREEDY, prompt_logprobs=1)
+    events = await chunked.submit(request).collect()
+    scored_done.set()
+    arrivals = await watcher
+    assert len(events[0].prompt_logprobs) == LONG_PROMPT - 1
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    chunk_s = slowest_chunk_seconds(reference.model, long_prompt, CHUNK)
+    bound = 2 * statistics.median(gaps) + chunk_s
+    assert max(gaps) < bound, (
+        f"the stream stalled {max(gaps) * 1000:.0f} ms (median gap "
+        f"{statistics.median(gaps) * 1000:.1f} ms, one {CHUNK}-token chunk "
+        f"{chunk_s * 1000:.1f} ms)"
+    )
+
+
+async def test_chunked_prompt_scores_equal_one_plain_forward_and_the_completion_continues(
+    chunked, reference
+):
+    """Scored over several engine steps beside another stream (so across a mode switch
+    too), the prompt's scores still equal one plain forward, and the completion decodes
+    from the scored cache exactly as plain greedy decoding does."""
+    tokenizer = reference.tokenizer
+    prompt = prompt_of(tokenizer, 4 * CHUNK + 37)
+    other = chunked.submit(
+        GenerationRequest("beside", tuple(prompt_of(tokenizer, 9)), 40, GREEDY, ignore_eos=True)
+    )
+    async with make_client(chunked) as client:
+        response = await client.post(
+            "/v1/completions",
+            json={
+                "model": MODEL_NAME,
+                "prompt": prompt,
+                "max_tokens": 8,
+                "temperature": 0,
+                "echo": True,
+                "logprobs": 2,
+                "ignore_eos": True,
+            },
+        )
+    await other.collect()
+    choice = response.json()["choices"][0]
+    assert_prompt_logprobs_match(choice, reference, prompt, 2)
+    generated = [t for t, _ in reference_logprobs(reference, prompt, 8)]
+    tail = choice["logprobs"]["tokens"][len(prompt) :]
+    assert tail == [token_text(tokenizer, t) for t in generated]
+
+
+async def test_a_cancelled_scoring_request_frees_its_slot(chunked, reference):
+    tokenizer = reference.tokenizer
+    request = GenerationRequest(
+        "cancelled", tuple(prompt_of(tokenizer, LONG_PROMPT)), 4, GREEDY, prompt_logprobs=0
+    )
+    stream = chunked.submit(request)
+    await asyncio.sleep(0.05)
+    assert chunked.num_running == 1  # being scored counts as running
+    stream.cancel()
+    after = chunked.submit(GenerationRequest("after", tuple(prompt_of(tokenizer, 8)), 4, GREEDY))
+    tokens = [t for e in await after.collect() for t in e.token_ids]
+    assert tokens == reference.greedy_until_eos(prompt_of(tokenizer, 8), 4)
+    for _ in range(100):
+        if chunked.num_running == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert chunked.num_running == 0

@@ -8,9 +8,11 @@ import asyncio
 import json
 import shutil
 import statistics
+import threading
 import time
 from pathlib import Path
 
+import llguidance
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -20,11 +22,13 @@ from engines.request import GenerationRequest, SamplingParams
 from server.logprobs_format import token_text
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
 from tests.test_logprobs_echo_fim import assert_prompt_logprobs_match, reference_logprobs
+from tests.test_structured_outputs import SCHEMA
 
 CHUNK = 256  # prompt tokens scored (and prefilled) per engine step in these tests
 LONG_PROMPT = 12 * CHUNK + 1  # scored in 12 full chunks (all but the last token)
 TEXT = "def add(a, b):\n    return a + b\nThe quick brown fox jumps over the lazy dog.\n"
 GREEDY = SamplingParams(temperature=0.0)
+HOLD_S = 5  # a held matcher build gives up after this, so a regression fails, not hangs
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +174,62 @@ async def test_a_cancelled_scoring_request_frees_its_slot(chunked, reference):
             break
         await asyncio.sleep(0.01)
     assert chunked.num_running == 0
+
+
+class HeldMatcherBuilds:
+    """Stands in for `llguidance.LLMatcher`: records which thread builds each matcher,
+    and holds the first build until released (or HOLD_S passes)."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+        self.threads: list[str] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, *args, **kwargs):
+        self.threads.append(threading.current_thread().name)
+        if not self.entered.is_set():
+            self.entered.set()
+            self.release.wait(HOLD_S)
+        return self._real(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)  # the static grammar_from_* and validate helpers
+
+
+async def test_a_grammar_matcher_is_built_off_the_engine_thread(chunked, reference, monkeypatch):
+    """While a structured request's matcher is being built, a running stream keeps
+    getting tokens: the build runs in the request's worker thread."""
+    held = HeldMatcherBuilds(llguidance.LLMatcher)
+    monkeypatch.setattr(llguidance, "LLMatcher", held)
+    prompt = tuple(prompt_of(reference.tokenizer, 12))
+    stream = chunked.submit(GenerationRequest("beside", prompt, 4000, GREEDY, ignore_eos=True))
+    tokens: list[int] = []
+
+    async def follow() -> None:
+        async for event in stream:
+            tokens.extend(event.token_ids)
+
+    follower = asyncio.create_task(follow())
+    async with make_client(chunked) as client:
+        body = {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": "A ball, as JSON"}],
+            "max_tokens": 16,
+            "response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}},
+        }
+        reply = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+        deadline = time.monotonic() + 2 * HOLD_S
+        while not held.entered.is_set():
+            assert time.monotonic() < deadline, "no matcher was built"
+            await asyncio.sleep(0.01)
+        before = len(tokens)
+        await asyncio.sleep(0.3)
+        during = len(tokens) - before
+        held.release.set()
+        response = await reply
+    stream.cancel()
+    await follower
+    assert response.status_code == 200, response.text
+    assert during > 0, "the stream stopped while the matcher was built"
+    assert "tandem-engine" not in held.threads

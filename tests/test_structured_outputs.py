@@ -15,7 +15,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from engines.constraints import GrammarCompiler
-from engines.errors import RequestFailed
+from engines.errors import InvalidRequest, RequestFailed
 from engines.request import GenerationRequest, SamplingParams
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
 
@@ -400,3 +400,68 @@ async def test_a_broken_constraint_fails_only_its_request(tiny_model_dir, refere
         assert good_result == reference.greedy_tokens(good, 30)
     finally:
         scheduler.stop()
+
+
+def many_branches(n: int) -> dict:
+    """A schema llguidance cannot build a matcher for at n = 8500 (more grammar symbols
+    than its u16 ids hold: it panics, and reports the panic as an error state)."""
+    return {
+        "anyOf": [
+            {"type": "object", "properties": {f"k{i}": {"const": i}}, "required": [f"k{i}"]}
+            for i in range(n)
+        ]
+    }
+
+
+HUGE_SCHEMA = many_branches(8500)
+
+
+@pytest.mark.parametrize("surface", ["chat", "responses", "messages"])
+async def test_a_schema_too_big_to_compile_is_a_400_in_each_apis_shape(constrained, surface):
+    messages = [{"role": "user", "content": "hi"}]
+    path, body = {
+        "chat": (
+            "/v1/chat/completions",
+            {
+                "messages": messages,
+                "response_format": {"type": "json_schema", "json_schema": {"schema": HUGE_SCHEMA}},
+            },
+        ),
+        "responses": (
+            "/v1/responses",
+            {"input": "hi", "text": {"format": {"type": "json_schema", "schema": HUGE_SCHEMA}}},
+        ),
+        "messages": (
+            "/v1/messages",
+            {
+                "messages": messages,
+                "max_tokens": 8,
+                "output_config": {"format": {"type": "json_schema", "schema": HUGE_SCHEMA}},
+            },
+        ),
+    }[surface]
+    response = await post(constrained, path, **body)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    if surface == "messages":
+        assert response.json()["type"] == "error"
+    assert error["type"] == "invalid_request_error"
+    assert "schema" in error["message"]
+
+
+def test_a_grammar_over_the_size_bound_is_an_invalid_request(reference):
+    """Forced tool calls too (over HTTP their tools would not fit the tiny context)."""
+    compiler = GrammarCompiler(reference.tokenizer)
+    function = {"name": "f", "parameters": HUGE_SCHEMA}
+    with pytest.raises(InvalidRequest, match="too large"):
+        compiler.tool_call([function], "<tool_call>", "</tool_call>")
+    with pytest.raises(InvalidRequest, match="too large"):
+        compiler.json_schema(HUGE_SCHEMA)
+
+
+def test_a_grammar_llguidance_cannot_build_is_an_invalid_request(reference):
+    """Past the size bound too: llguidance's own failure (its panic on too many
+    symbols, reported as an error state) is a clear InvalidRequest, not a 500."""
+    compiler = GrammarCompiler(reference.tokenizer, max_grammar_chars=10**7)
+    with pytest.raises(InvalidRequest, match="u16::MAX"):
+        compiler.json_schema(HUGE_SCHEMA)

@@ -98,30 +98,50 @@ async def arrivals_until(stream, started: asyncio.Event, until: asyncio.Event) -
     return arrivals
 
 
-async def test_a_long_scored_prompt_does_not_stall_a_running_stream(chunked, reference):
-    """While a 3k-token prompt is scored beside it, a stream's tokens keep coming: its
-    longest gap is under twice its median gap plus the time one chunk takes."""
-    tokenizer = reference.tokenizer
-    await warm_up(chunked, tokenizer)
-    long_prompt = prompt_of(tokenizer, LONG_PROMPT)
-    stream = chunked.submit(
-        GenerationRequest("stream", tuple(prompt_of(tokenizer, 16)), 600, GREEDY, ignore_eos=True)
+async def stream_beside_scoring(scheduler, tokenizer, long_prompt: list[int], attempt: int):
+    """A stream runs; after its second token `long_prompt` is scored (max_tokens 0).
+    Returns the stream's inter-token gaps up to its first token after the scoring
+    ended, and how many of its tokens arrived while the prompt was being scored."""
+    prompt = tuple(prompt_of(tokenizer, 16))
+    stream = scheduler.submit(
+        GenerationRequest(f"stream{attempt}", prompt, 600, GREEDY, ignore_eos=True)
     )
     started, scored_done = asyncio.Event(), asyncio.Event()
     watcher = asyncio.create_task(arrivals_until(stream, started, scored_done))
     await started.wait()
-    request = GenerationRequest("scored", tuple(long_prompt), 0, GREEDY, prompt_logprobs=1)
-    events = await chunked.submit(request).collect()
+    request = GenerationRequest(
+        f"scored{attempt}", tuple(long_prompt), 0, GREEDY, prompt_logprobs=1
+    )
+    submitted = time.monotonic()
+    events = await scheduler.submit(request).collect()
+    scored_at = time.monotonic()
     scored_done.set()
     arrivals = await watcher
-    assert len(events[0].prompt_logprobs) == LONG_PROMPT - 1
+    assert len(events[0].prompt_logprobs) == len(long_prompt) - 1
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return gaps, sum(submitted < t < scored_at for t in arrivals)
+
+
+async def test_a_long_scored_prompt_does_not_stall_a_running_stream(chunked, reference):
+    """While a 3k-token prompt is scored beside it, a stream's tokens keep coming: one
+    between every two chunks, and its longest gap is under twice its median gap plus
+    the time one chunk takes. (A stall is systematic, this machine's noise is not: a
+    timing miss gets one more try.)"""
+    tokenizer = reference.tokenizer
+    await warm_up(chunked, tokenizer)
+    long_prompt = prompt_of(tokenizer, LONG_PROMPT)
     chunk_s = slowest_chunk_seconds(reference.model, long_prompt, CHUNK)
-    bound = 2 * statistics.median(gaps) + chunk_s
-    assert max(gaps) < bound, (
+    chunks = (LONG_PROMPT - 1) // CHUNK
+    for attempt in range(2):
+        gaps, during = await stream_beside_scoring(chunked, tokenizer, long_prompt, attempt)
+        assert during >= chunks - 2, f"{during} tokens while {chunks} chunks were scored"
+        bound = 2 * statistics.median(gaps) + chunk_s
+        if max(gaps) < bound:
+            return
+    raise AssertionError(
         f"the stream stalled {max(gaps) * 1000:.0f} ms (median gap "
         f"{statistics.median(gaps) * 1000:.1f} ms, one {CHUNK}-token chunk "
-        f"{chunk_s * 1000:.1f} ms)"
+        f"{chunk_s * 1000:.1f} ms): gaps {[round(g * 1000) for g in gaps]} ms"
     )
 
 

@@ -10,7 +10,8 @@ prefix, consume the rest), so verifying k drafts costs k token steps, not a repl
 
 Building a matcher compiles the grammar (up to a few hundred ms for a big schema), so
 it happens once, when the request is prepared in its worker thread; the engine thread
-only copies that matcher (microseconds) for each request.
+only copies that matcher (microseconds) for each request. A matcher that breaks
+mid-output (a failed rollback, an llguidance error state) fails its own request.
 """
 
 from __future__ import annotations
@@ -228,21 +229,33 @@ class GrammarProcessor:
         while common < limit and self.consumed[common] == generated[common]:
             common += 1
         if common < len(self.consumed):
-            self.matcher.rollback(len(self.consumed) - common)
+            self._roll_back(len(self.consumed) - common)
             del self.consumed[common:]
         new = generated[common:]
         taken = self.matcher.try_consume_tokens(new) if new else 0
         self.consumed.extend(new[:taken])
+        self._check()
         if taken < len(new) or self.matcher.is_stopped():
             # Done, or the history left the grammar (only a draft token beyond the
             # first rejected one can: its row is never used). Either way, only EOS.
             return self._only_eos()
         llguidance.numpy.fill_next_token_bitmask(self.matcher, self._bitmask)
+        self._check()
         bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
         allowed = bits[: self.vocab_size].astype(bool)
         if not allowed.any():
             return self._only_eos()
         return allowed
+
+    def _roll_back(self, n: int) -> None:
+        if not self.matcher.rollback(n):
+            self._check()  # llguidance's own reason, when it gives one
+            raise RuntimeError(f"the grammar matcher could not roll back {n} tokens")
+
+    def _check(self) -> None:
+        """Raise if the matcher is in llguidance's error state (it never leaves it)."""
+        if self.matcher.is_error():
+            raise RuntimeError(summary(self.matcher.get_error()))
 
     def _only_eos(self) -> np.ndarray:
         allowed = np.zeros(max(self.eos_ids) + 1, dtype=bool)

@@ -10,6 +10,7 @@ import json
 from typing import Literal
 
 import httpx
+import llguidance
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -397,6 +398,107 @@ async def test_a_broken_constraint_fails_only_its_request(tiny_model_dir, refere
         )
         assert scheduler.batched_engine is not None  # they shared batched forwards
         assert isinstance(bad_result, RequestFailed) and "matcher exploded" in str(bad_result)
+        assert good_result == reference.greedy_tokens(good, 30)
+    finally:
+        scheduler.stop()
+
+
+class RollbackFails:
+    """A real matcher whose rollback reports failure (as llguidance's does once the
+    matcher has broken), counting the calls."""
+
+    def __init__(self, matcher) -> None:
+        self._matcher = matcher
+        self.rollbacks = 0
+
+    def rollback(self, n: int) -> bool:
+        self.rollbacks += 1
+        return False
+
+    def __getattr__(self, name: str):
+        return getattr(self._matcher, name)
+
+
+async def test_a_failed_matcher_rollback_fails_only_its_request(
+    tiny_model_dir, perturbed_draft_dir, reference
+):
+    """Drafts the target rejects make the matcher roll back; when it cannot, the request
+    fails with a clear error instead of silently ending at EOS. The next request, in
+    flight meanwhile (waiting: batch_threshold 3 keeps one speculative stream), is exact."""
+    broken: list[RollbackFails] = []
+
+    def factory(request: GenerationRequest) -> list:
+        if "BREAK" not in reference.tokenizer.decode(list(request.prompt_tokens)):
+            return []
+        compiler = GrammarCompiler(reference.tokenizer)
+        processor = compiler.processor(compiler.json_schema(SCHEMA), len(request.prompt_tokens))
+        processor.matcher = RollbackFails(processor.matcher)
+        broken.append(processor.matcher)
+        return [processor]
+
+    scheduler = start_scheduler(
+        tiny_model_dir,
+        draft_model=str(perturbed_draft_dir),
+        batch_threshold=3,
+        logits_processor_factory=factory,
+    )
+    try:
+        bad = reference.tokenizer.encode("BREAK this one: " + PROMPTS[0])
+        good = reference.tokenizer.encode("A fine prompt")
+        greedy = SamplingParams(temperature=0.0)
+        streams = [
+            scheduler.submit(GenerationRequest("bad", tuple(bad), 64, greedy)),
+            scheduler.submit(GenerationRequest("good", tuple(good), 30, greedy, ignore_eos=True)),
+        ]
+        bad_result, good_result = await asyncio.gather(
+            tokens_of(streams[0]), tokens_of(streams[1]), return_exceptions=True
+        )
+        assert broken[0].rollbacks > 0
+        assert isinstance(bad_result, RequestFailed), bad_result
+        assert "roll back" in str(bad_result)
+        assert good_result == reference.greedy_tokens(good, 30)
+    finally:
+        scheduler.stop()
+
+
+PATTERN_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "string", "pattern": "^[a-z]{2,40}[0-9]+$"}},
+    "required": ["a"],
+}
+
+
+async def test_a_matcher_in_an_error_state_fails_only_its_request(tiny_model_dir, reference):
+    """A real llguidance matcher that breaks mid-output (here: out of lexer fuel inside
+    the string) fails its request with llguidance's reason; the batch mate is exact."""
+
+    def factory(request: GenerationRequest) -> list:
+        if "BREAK" not in reference.tokenizer.decode(list(request.prompt_tokens)):
+            return []
+        compiler = GrammarCompiler(reference.tokenizer)
+        constraint = compiler.json_schema(PATTERN_SCHEMA)
+        processor = compiler.processor(constraint, len(request.prompt_tokens))
+        limits = llguidance.LLParserLimits(step_lexer_fuel=10)
+        processor.matcher = llguidance.LLMatcher(
+            compiler.ll_tokenizer, constraint.grammar, log_level=0, limits=limits
+        )
+        return [processor]
+
+    scheduler = start_scheduler(tiny_model_dir, logits_processor_factory=factory)
+    try:
+        good = reference.tokenizer.encode("A fine prompt")
+        bad = reference.tokenizer.encode("BREAK this one")
+        greedy = SamplingParams(temperature=0.0)
+        streams = [
+            scheduler.submit(GenerationRequest("good", tuple(good), 30, greedy, ignore_eos=True)),
+            scheduler.submit(GenerationRequest("bad", tuple(bad), 30, greedy)),
+        ]
+        good_result, bad_result = await asyncio.gather(
+            tokens_of(streams[0]), tokens_of(streams[1]), return_exceptions=True
+        )
+        assert scheduler.batched_engine is not None  # they shared batched forwards
+        assert isinstance(bad_result, RequestFailed), bad_result
+        assert "too many expressions" in str(bad_result)
         assert good_result == reference.greedy_tokens(good, 30)
     finally:
         scheduler.stop()

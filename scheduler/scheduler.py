@@ -446,6 +446,8 @@ class Scheduler:
     def _score_step(self) -> None:
         """One chunk of prompt scoring after the engine's step; requests whose prompts
         are scored then finish (max_tokens 0) or join the engine at their scored cache."""
+        if not self._scoring:
+            return
         job = self._scoring.next_job(self._running)
         engine = self._engine()
         if job is not None:

@@ -7,6 +7,11 @@ target's verify rows and the draft model's proposals, and a request keeps its
 constraint when it migrates between engines: exactness and migration need nothing
 special. The matcher follows the history incrementally (roll back to the common
 prefix, consume the rest), so verifying k drafts costs k token steps, not a replay.
+
+Building a matcher compiles the grammar (up to a few hundred ms for a big schema), so
+it happens once, when the request is prepared in its worker thread; the engine thread
+only copies that matcher (microseconds) for each request. A matcher that breaks
+mid-output (a failed rollback, an llguidance error state) fails its own request.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import llguidance
@@ -31,14 +38,20 @@ log = logging.getLogger(__name__)
 # model pad or loop on blanks until max_tokens, leaving the JSON unfinished.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
+# Grammars longer than this are refused. llguidance builds a matcher in time that grows
+# with the grammar (0.3 s for the 150k characters of a 2,000-branch anyOf), and at about
+# 8,400 such branches it runs out of symbol ids and fails.
+MAX_GRAMMAR_CHARS = 256_000
+
 
 class GrammarCompiler:
     """JSON schemas -> grammars, checked against one tokenizer, and per-request
     processors. The llguidance tokenizer is built once, on first use (about a second
     for a 150k vocabulary); any thread may call this."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, max_grammar_chars: int = MAX_GRAMMAR_CHARS) -> None:
         self._tokenizer = tokenizer
+        self.max_grammar_chars = max_grammar_chars
         self._lock = threading.Lock()
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
 
@@ -68,24 +81,25 @@ class GrammarCompiler:
         """A constraint for JSON matching `schema` (a dict; {} allows any JSON value)."""
         if not isinstance(schema, dict):
             raise InvalidRequest("the JSON schema must be an object")
-        try:
+        with rejected_as_invalid():
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
-        except Exception as exc:  # noqa: BLE001 - whatever the compiler rejects is a bad schema
-            raise InvalidRequest(f"invalid JSON schema: {exc}") from None
         return self._compiled(grammar, free_until)
 
     def _compiled(self, grammar: str, free_until: int | None) -> Constraint:
-        """`grammar`, checked against this tokenizer; InvalidRequest if it cannot be used."""
+        """`grammar` with its matcher, built here (the request's worker thread); an
+        InvalidRequest if it is too large or llguidance cannot build it."""
+        if len(grammar) > self.max_grammar_chars:
+            raise InvalidRequest(
+                f"the JSON schema is too large to enforce: its grammar has {len(grammar):,} "
+                f"characters, at most {self.max_grammar_chars:,}"
+            )
         try:
             tokenizer = self.ll_tokenizer
         except Exception as exc:  # noqa: BLE001 - e.g. a slow (non-`tokenizers`) tokenizer
             raise InvalidRequest(
                 f"constrained output is not available for this model's tokenizer: {exc}"
             ) from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
-        if error:
-            raise InvalidRequest(f"invalid JSON schema: {error}")
-        return Constraint(grammar, free_until)
+        return Constraint(grammar, free_until, new_matcher(tokenizer, grammar))
 
     def tool_call(
         self, functions: list[dict], start: str, end: str | None, free_until: int | None = None
@@ -113,7 +127,9 @@ class GrammarCompiler:
             f"call: %json {json.dumps(schema)}",
         ]
         lark = "\n".join(rules)
-        return self._compiled(llguidance.LLMatcher.grammar_from_lark(lark), free_until)
+        with rejected_as_invalid():
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        return self._compiled(grammar, free_until)
 
     def _literal(self, marker: str) -> str:
         """A marker in lark: a special token by name when it is one, else its text."""
@@ -125,10 +141,49 @@ class GrammarCompiler:
         return json.dumps(marker)
 
     def processor(self, constraint: Constraint, prompt_length: int) -> GrammarProcessor:
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, constraint.grammar, log_level=0)
+        """A request's own processor: a copy of the matcher compiled with `constraint`
+        (microseconds; a constraint made by hand has none, and builds one here)."""
+        matcher = constraint.matcher
+        if matcher is None:
+            matcher = new_matcher(self.ll_tokenizer, constraint.grammar)
         eos = sorted(self._tokenizer.eos_token_ids)
         vocab = self.ll_tokenizer.vocab_size
-        return GrammarProcessor(matcher, vocab, prompt_length, eos, constraint.free_until)
+        return GrammarProcessor(
+            matcher.deep_copy(), vocab, prompt_length, eos, constraint.free_until
+        )
+
+
+def new_matcher(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+    """A matcher at the start of `grammar`; InvalidRequest if llguidance cannot build
+    one (it reports a bad grammar, an exceeded limit or an internal panic as an error
+    state rather than raising)."""
+    with rejected_as_invalid():
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise InvalidRequest(f"invalid JSON schema: {summary(matcher.get_error())}")
+    return matcher
+
+
+@contextmanager
+def rejected_as_invalid() -> Iterator[None]:
+    """llguidance failures as InvalidRequest (a 400): its exceptions, and a Rust panic,
+    which pyo3 raises as PanicException, a BaseException (a 500 otherwise)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - whatever llguidance rejects is a bad schema
+        raise InvalidRequest(f"invalid JSON schema: {summary(exc)}") from None
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise InvalidRequest(f"invalid JSON schema: {summary(exc)}") from None
+
+
+def summary(error: object) -> str:
+    """llguidance's message without the parser state or backtrace it may append."""
+    text = str(error)
+    for appendix in ("\n<state>", "\n<backtrace>"):
+        text = text.split(appendix, 1)[0]
+    return text.strip()
 
 
 class GrammarProcessor:
@@ -174,21 +229,33 @@ class GrammarProcessor:
         while common < limit and self.consumed[common] == generated[common]:
             common += 1
         if common < len(self.consumed):
-            self.matcher.rollback(len(self.consumed) - common)
+            self._roll_back(len(self.consumed) - common)
             del self.consumed[common:]
         new = generated[common:]
         taken = self.matcher.try_consume_tokens(new) if new else 0
         self.consumed.extend(new[:taken])
+        self._check()
         if taken < len(new) or self.matcher.is_stopped():
             # Done, or the history left the grammar (only a draft token beyond the
             # first rejected one can: its row is never used). Either way, only EOS.
             return self._only_eos()
         llguidance.numpy.fill_next_token_bitmask(self.matcher, self._bitmask)
+        self._check()
         bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
         allowed = bits[: self.vocab_size].astype(bool)
         if not allowed.any():
             return self._only_eos()
         return allowed
+
+    def _roll_back(self, n: int) -> None:
+        if not self.matcher.rollback(n):
+            self._check()  # llguidance's own reason, when it gives one
+            raise RuntimeError(f"the grammar matcher could not roll back {n} tokens")
+
+    def _check(self) -> None:
+        """Raise if the matcher is in llguidance's error state (it never leaves it)."""
+        if self.matcher.is_error():
+            raise RuntimeError(summary(self.matcher.get_error()))
 
     def _only_eos(self) -> np.ndarray:
         allowed = np.zeros(max(self.eos_ids) + 1, dtype=bool)

@@ -7,6 +7,7 @@ JSON. Both dataclasses are frozen so a request can be shared across threads.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,15 @@ class Constraint:
 
     `free_until`: a token id (a reasoning model's `</think>`) before which output is
     unconstrained, for templates that open a think block; the grammar applies after it.
+
+    `matcher`: llguidance's matcher at the grammar's start, built with the constraint
+    (off the engine thread). It is never advanced, only copied: each request's
+    processor follows its own copy, so a constraint can be shared.
     """
 
     grammar: str
     free_until: int | None = None
+    matcher: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import gc
 import logging
 import threading
 import time
@@ -29,7 +30,7 @@ from engines.constraints import GrammarCompiler
 from engines.errors import ContextTooLong, InvalidRequest, QueueFull, ServerNotReady
 from engines.gates import CostModel
 from engines.prefix_cache import PrefixCache
-from engines.prompt_scoring import score_prompt
+from engines.prompt_scoring import PromptScorer
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest
 from engines.rollback import supports_rollback
@@ -40,6 +41,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
 from scheduler.observer import NullObserver, RequestRecord, SchedulerObserver, log_request
 from scheduler.policy import Mode, ModePolicy
+from scheduler.scoring import ScoringQueue, scoring_budget
 from scheduler.stream import RequestStream, TokenEvent
 from scheduler.throughput import ThroughputModel, serial_wait_fits
 
@@ -112,6 +114,7 @@ class Scheduler:
         self._outbox: list[tuple[_Tracked, TokenEvent]] = []  # this step's events
         self._waiting: deque[_Tracked] = deque()
         self._running: dict[str, _Tracked] = {}
+        self._scoring = ScoringQueue()  # running requests whose prompts are being scored
         self._spec: SpeculativeEngine | None = None
         self._batched: BatchedSpeculativeEngine | BatchedEngine | None = None
         self.speculation_supported = True  # the model's caches roll back (decided at load)
@@ -257,6 +260,10 @@ class Scheduler:
             self.state = SchedulerState.FAILED
             self._ready.set()
             return
+        # What loading left (modules, weights' wrappers, ~90k objects) lives as long as
+        # the process: out of the collector's reach, a full collection no longer pauses
+        # every stream for 100-400 ms.
+        gc.freeze()
         self.state = SchedulerState.READY
         self._ready.set()
         try:
@@ -267,6 +274,7 @@ class Scheduler:
                 self._apply(commands)
                 self._schedule()
                 self._step()
+                self._score_step()
                 self._flush()
                 self._sample_gauges()
         except Exception as exc:  # noqa: BLE001 - the loop itself broke: report, fail all
@@ -456,12 +464,13 @@ class Scheduler:
             tracked.seq = make_sequence(tracked.request, self.registry.tokenizer, extra)
             tracked.seq.inject_fault = self._matches_fault_marker(prompt)
             if tracked.request.prompt_logprobs is not None:
+                # Scored a chunk per iteration (`_score_step`), then it joins the engine.
                 top = tracked.request.prompt_logprobs
-                cache, tracked.prompt_logprobs = score_prompt(engine.model, prompt, top)
-                cached = len(prompt) - 1
-                if tracked.request.max_tokens == 0:  # scoring only
-                    self._finish(tracked, FinishReason.LENGTH)
-                    return
+                self._scoring.add(
+                    tracked.request.request_id, PromptScorer(engine.model, prompt, top)
+                )
+                self._running[tracked.request.request_id] = tracked
+                return
             else:
                 scope = tracked.request.cache_scope
                 cache, cached = self._prefix.lookup(prompt, scope) if self._prefix else (None, 0)
@@ -475,6 +484,42 @@ class Scheduler:
             self._finish(tracked, FinishReason.ERROR, error=str(exc))
             return
         self._running[tracked.request.request_id] = tracked
+
+    def _score_step(self) -> None:
+        """One chunk of prompt scoring after the engine's step; requests whose prompts
+        are scored then finish (max_tokens 0) or join the engine at their scored cache."""
+        if not self._scoring:
+            return
+        job = self._scoring.next_job(self._running)
+        engine = self._engine()
+        if job is not None:
+            request_id, scorer = job
+            others = len(self._running) > len(self._scoring)
+            try:
+                scorer.step(engine.model, scoring_budget(self.config, others))
+            except Exception as exc:  # noqa: BLE001 - fail this request, keep serving
+                log.exception("scoring the prompt of %s failed", request_id)
+                self._finish(self._running.pop(request_id), FinishReason.ERROR, error=str(exc))
+            self._last_step = None  # the next step's time includes this chunk
+        room = len(self._scoring) if self._mode == Mode.BATCHED else int(engine.has_capacity)
+        for request_id, scorer in self._scoring.take_done(room):
+            self._admit_scored(self._running[request_id], scorer, engine)
+
+    def _admit_scored(self, tracked: _Tracked, scorer: PromptScorer, engine) -> None:
+        tracked.prompt_logprobs = scorer.scored
+        if tracked.request.max_tokens == 0:  # scoring only
+            del self._running[tracked.request.request_id]
+            self._finish(tracked, FinishReason.LENGTH)
+            return
+        try:
+            engine.admit(SequenceState(tracked.seq, scorer.cache, scorer.cached))
+        except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
+            log.exception("request %s could not start", tracked.request.request_id)
+            del self._running[tracked.request.request_id]
+            self._finish(tracked, FinishReason.ERROR, error=str(exc))
+            return
+        if tracked.modes[-1:] != [self._mode.value]:
+            tracked.modes.append(self._mode.value)
 
     def _matches_fault_marker(self, prompt: list[int]) -> bool:
         marker = self.config.fault_marker

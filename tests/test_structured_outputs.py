@@ -10,12 +10,13 @@ import json
 from typing import Literal
 
 import httpx
+import llguidance
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
 from engines.constraints import GrammarCompiler
-from engines.errors import RequestFailed
+from engines.errors import InvalidRequest, RequestFailed
 from engines.request import GenerationRequest, SamplingParams
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
 
@@ -406,3 +407,169 @@ async def test_a_broken_constraint_fails_only_its_request(tiny_model_dir, refere
         assert good_result == reference.greedy_tokens(good, 30)
     finally:
         scheduler.stop()
+
+
+class RollbackFails:
+    """A real matcher whose rollback reports failure (as llguidance's does once the
+    matcher has broken), counting the calls."""
+
+    def __init__(self, matcher) -> None:
+        self._matcher = matcher
+        self.rollbacks = 0
+
+    def rollback(self, n: int) -> bool:
+        self.rollbacks += 1
+        return False
+
+    def __getattr__(self, name: str):
+        return getattr(self._matcher, name)
+
+
+async def test_a_failed_matcher_rollback_fails_only_its_request(
+    tiny_model_dir, perturbed_draft_dir, reference
+):
+    """Drafts the target rejects make the matcher roll back; when it cannot, the request
+    fails with a clear error instead of silently ending at EOS. The next request, in
+    flight meanwhile (waiting: batch_threshold 3 keeps one speculative stream), is exact."""
+    broken: list[RollbackFails] = []
+
+    def factory(request: GenerationRequest) -> list:
+        if "BREAK" not in reference.tokenizer.decode(list(request.prompt_tokens)):
+            return []
+        compiler = GrammarCompiler(reference.tokenizer)
+        processor = compiler.processor(compiler.json_schema(SCHEMA), len(request.prompt_tokens))
+        processor.matcher = RollbackFails(processor.matcher)
+        broken.append(processor.matcher)
+        return [processor]
+
+    scheduler = start_scheduler(
+        tiny_model_dir,
+        draft_model=str(perturbed_draft_dir),
+        batch_threshold=3,
+        logits_processor_factory=factory,
+    )
+    try:
+        bad = reference.tokenizer.encode("BREAK this one: " + PROMPTS[0])
+        good = reference.tokenizer.encode("A fine prompt")
+        greedy = SamplingParams(temperature=0.0)
+        streams = [
+            scheduler.submit(GenerationRequest("bad", tuple(bad), 64, greedy)),
+            scheduler.submit(GenerationRequest("good", tuple(good), 30, greedy, ignore_eos=True)),
+        ]
+        bad_result, good_result = await asyncio.gather(
+            tokens_of(streams[0]), tokens_of(streams[1]), return_exceptions=True
+        )
+        assert broken[0].rollbacks > 0
+        assert isinstance(bad_result, RequestFailed), bad_result
+        assert "roll back" in str(bad_result)
+        assert good_result == reference.greedy_tokens(good, 30)
+    finally:
+        scheduler.stop()
+
+
+PATTERN_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "string", "pattern": "^[a-z]{2,40}[0-9]+$"}},
+    "required": ["a"],
+}
+
+
+async def test_a_matcher_in_an_error_state_fails_only_its_request(tiny_model_dir, reference):
+    """A real llguidance matcher that breaks mid-output (here: out of lexer fuel inside
+    the string) fails its request with llguidance's reason; the batch mate is exact."""
+
+    def factory(request: GenerationRequest) -> list:
+        if "BREAK" not in reference.tokenizer.decode(list(request.prompt_tokens)):
+            return []
+        compiler = GrammarCompiler(reference.tokenizer)
+        constraint = compiler.json_schema(PATTERN_SCHEMA)
+        processor = compiler.processor(constraint, len(request.prompt_tokens))
+        limits = llguidance.LLParserLimits(step_lexer_fuel=10)
+        processor.matcher = llguidance.LLMatcher(
+            compiler.ll_tokenizer, constraint.grammar, log_level=0, limits=limits
+        )
+        return [processor]
+
+    scheduler = start_scheduler(tiny_model_dir, logits_processor_factory=factory)
+    try:
+        good = reference.tokenizer.encode("A fine prompt")
+        bad = reference.tokenizer.encode("BREAK this one")
+        greedy = SamplingParams(temperature=0.0)
+        streams = [
+            scheduler.submit(GenerationRequest("good", tuple(good), 30, greedy, ignore_eos=True)),
+            scheduler.submit(GenerationRequest("bad", tuple(bad), 30, greedy)),
+        ]
+        good_result, bad_result = await asyncio.gather(
+            tokens_of(streams[0]), tokens_of(streams[1]), return_exceptions=True
+        )
+        assert scheduler.batched_engine is not None  # they shared batched forwards
+        assert isinstance(bad_result, RequestFailed), bad_result
+        assert "too many expressions" in str(bad_result)
+        assert good_result == reference.greedy_tokens(good, 30)
+    finally:
+        scheduler.stop()
+
+
+def many_branches(n: int) -> dict:
+    """A schema llguidance cannot build a matcher for at n = 8500 (more grammar symbols
+    than its u16 ids hold: it panics, and reports the panic as an error state)."""
+    return {
+        "anyOf": [
+            {"type": "object", "properties": {f"k{i}": {"const": i}}, "required": [f"k{i}"]}
+            for i in range(n)
+        ]
+    }
+
+
+HUGE_SCHEMA = many_branches(8500)
+
+
+@pytest.mark.parametrize("surface", ["chat", "responses", "messages"])
+async def test_a_schema_too_big_to_compile_is_a_400_in_each_apis_shape(constrained, surface):
+    messages = [{"role": "user", "content": "hi"}]
+    path, body = {
+        "chat": (
+            "/v1/chat/completions",
+            {
+                "messages": messages,
+                "response_format": {"type": "json_schema", "json_schema": {"schema": HUGE_SCHEMA}},
+            },
+        ),
+        "responses": (
+            "/v1/responses",
+            {"input": "hi", "text": {"format": {"type": "json_schema", "schema": HUGE_SCHEMA}}},
+        ),
+        "messages": (
+            "/v1/messages",
+            {
+                "messages": messages,
+                "max_tokens": 8,
+                "output_config": {"format": {"type": "json_schema", "schema": HUGE_SCHEMA}},
+            },
+        ),
+    }[surface]
+    response = await post(constrained, path, **body)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    if surface == "messages":
+        assert response.json()["type"] == "error"
+    assert error["type"] == "invalid_request_error"
+    assert "schema" in error["message"]
+
+
+def test_a_grammar_over_the_size_bound_is_an_invalid_request(reference):
+    """Forced tool calls too (over HTTP their tools would not fit the tiny context)."""
+    compiler = GrammarCompiler(reference.tokenizer)
+    function = {"name": "f", "parameters": HUGE_SCHEMA}
+    with pytest.raises(InvalidRequest, match="too large"):
+        compiler.tool_call([function], "<tool_call>", "</tool_call>")
+    with pytest.raises(InvalidRequest, match="too large"):
+        compiler.json_schema(HUGE_SCHEMA)
+
+
+def test_a_grammar_llguidance_cannot_build_is_an_invalid_request(reference):
+    """Past the size bound too: llguidance's own failure (its panic on too many
+    symbols, reported as an error state) is a clear InvalidRequest, not a 500."""
+    compiler = GrammarCompiler(reference.tokenizer, max_grammar_chars=10**7)
+    with pytest.raises(InvalidRequest, match="u16::MAX"):
+        compiler.json_schema(HUGE_SCHEMA)

@@ -240,16 +240,23 @@ class BatchedSpeculativeEngine:
                 row.draft_fed = row.tokens[:length]
         mx.eval([layer.keys for layer in group.cache if layer.keys is not None])
         self.forward_seconds += time.perf_counter() - started
-        done = all(
-            length == len(r.tokens) - 1
-            for r, length in zip(group.rows, group.cache[0].lengths, strict=True)
-        )
-        if done and (
-            group.draft_cache is None
-            or all(len(r.draft_fed) == len(r.tokens) - 1 for r in group.rows)
-        ):
+        ready = [i for i, row in enumerate(group.rows) if self._prefilled(group, i)]
+        if len(ready) == len(group.rows):
             self.groups.pop(0)
             self._merge(group.rows, group.cache, group.draft_cache)
+        elif ready:  # short prompts start decoding while long ones keep prefilling
+            rows = [group.rows[i] for i in ready]
+            cache = [layer.take(ready) for layer in group.cache]
+            draft = [layer.take(ready) for layer in group.draft_cache or []] or None
+            _remove_rows(group.rows, group.cache, group.draft_cache, ready)
+            self._merge(rows, cache, draft)
+
+    @staticmethod
+    def _prefilled(group: _Group, index: int) -> bool:
+        """Row `index` holds all but its newest token, in the target and draft caches."""
+        row = group.rows[index]
+        target = group.cache[0].lengths[index] == len(row.tokens) - 1
+        return target and (group.draft_cache is None or len(row.draft_fed) == len(row.tokens) - 1)
 
     # ---- planning -----------------------------------------------------------------------
 

@@ -99,6 +99,12 @@ class RaggedKVCache:
                 raise ValueError(f"a row of {old} positions cannot become {new}")
         self.lengths = list(lengths)
 
+    def take(self, rows: list[int]) -> RaggedKVCache:
+        """A new cache of copies of `rows`, in that order; this one is unchanged."""
+        taken = RaggedKVCache(self.lengths, self.keys, self.values)
+        taken.filter(rows)
+        return taken
+
     def filter(self, rows: list[int]) -> None:
         """Keep only `rows`, in that order (a copy of the kept rows)."""
         self.lengths = [self.lengths[i] for i in rows]

@@ -401,3 +401,26 @@ def test_seeded_rows_give_their_solo_plain_seeded_tokens_in_any_batch(perturbed,
     together, _, drafted = run_batch(engine, crowd)
     assert together["a"].generated == alone["a"].generated
     assert together["a"].spec.draft_tokens > 0 and drafted > 0
+
+
+def test_a_short_prompt_starts_decoding_while_a_long_one_still_prefills(perturbed, reference):
+    """Newcomers prefill together a chunk per step; a row whose prompt is done joins
+    the batch at once instead of waiting for the longest prompt of its group."""
+    _, engine = perturbed  # prefill chunks of 64 tokens
+    long_prompt = reference.tokenizer.encode(CODE_PROMPT * 6)
+    short_prompt = reference.tokenizer.encode(PROMPTS[0])
+    assert len(long_prompt) > 4 * 64
+    tokenizer = reference.tokenizer
+    seqs = {
+        "long": make_sequence(greedy_request("long", long_prompt, 20), tokenizer),
+        "short": make_sequence(greedy_request("short", short_prompt, 20), tokenizer),
+    }
+    for seq in seqs.values():
+        engine.add(seq)
+    first = engine.step()
+    assert [o.request_id for o in first] == ["short"], "the short prompt decodes at once"
+    assert not seqs["long"].generated
+    while engine.batch_size:
+        engine.step()
+    assert seqs["short"].generated == reference.greedy_tokens(short_prompt, 20)
+    assert seqs["long"].generated == reference.greedy_tokens(long_prompt, 20)

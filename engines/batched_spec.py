@@ -451,11 +451,10 @@ class BatchedSpeculativeEngine:
 
     def _release(self, finished: list[int]) -> None:
         """Finished rows leave; each leaves its cache trimmed to the committed tokens
-        it holds (a failed row leaves none: its last token may not be committed)."""
+        it holds (a row whose commit failed holds tokens it did not commit: the trim
+        removes them too)."""
         for i in finished:
             row = self.rows[i]
-            if row.seq.finish_reason == FinishReason.ERROR:
-                continue
             held = min(self.cache[0].lengths[i], len(row.tokens))
             for layer in self.cache:
                 layer.lengths[i] = held

@@ -380,6 +380,9 @@ class BrokenMatcher:
     def is_stopped(self):
         raise RuntimeError("matcher exploded")
 
+    def is_error(self):
+        raise RuntimeError("matcher exploded")
+
 
 async def test_a_broken_constraint_fails_only_its_request(tiny_model_dir, reference):
     def factory(request: GenerationRequest) -> list:

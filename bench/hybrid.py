@@ -271,6 +271,15 @@ def report(results: dict, levels: list[int]) -> str:
             lines.append(
                 f"{name} / best(batch-only, spec-only) at c={level}: {rate / best[level]:.2f}"
             )
+    for name, data in results["modes"].items():
+        for level in levels:
+            spec = data["levels"][level].get("speculative") or {}
+            if spec.get("batched_steps"):
+                lines.append(
+                    f"{name} c={level}: {spec['batched_steps']:.0f} batched steps, "
+                    f"{100 * spec['batched_step_model_share']:.0f}% of their time in the model, "
+                    f"{spec['drafted_per_row_per_batched_step'] or 0:.2f} tokens drafted per row"
+                )
     for name, peer in results.get("peers", {}).items():
         blas = peer["blas"]
         lines.append(f"peer {name}: {' '.join(peer['peer']['command'])}")

@@ -233,4 +233,24 @@ def speculative_summary(deltas: dict[MetricKey, float]) -> dict[str, Any] | None
             for position, value in sorted(per_position.items(), key=_position_order)
         },
         "mode_switches": mode_switches(deltas),
+        **batched_step_summary(deltas),
+    }
+
+
+def batched_step_summary(deltas: dict[MetricKey, float]) -> dict[str, Any]:
+    """Tandem's batched steps over one level: their count, the share of their time spent
+    in model forwards (the rest is scheduling, commit, detokenize, publish), and the
+    tokens each row drafted per step (speculation staying on under load)."""
+    steps = sum(sum_by(deltas, "tandem_step_model_seconds_count").values())
+    if not steps:
+        return {}
+    model = sum(sum_by(deltas, "tandem_step_model_seconds_sum").values())
+    overhead = sum(sum_by(deltas, "tandem_step_overhead_seconds_sum").values())
+    rows = sum(sum_by(deltas, "tandem_spec_draft_tokens_per_row_count").values())
+    drafted = sum(sum_by(deltas, "tandem_spec_draft_tokens_per_row_sum").values())
+    return {
+        "batched_steps": steps,
+        "batched_step_model_share": model / (model + overhead) if model + overhead else None,
+        "batched_step_mean_ms": 1000 * (model + overhead) / steps,
+        "drafted_per_row_per_batched_step": drafted / rows if rows else None,
     }

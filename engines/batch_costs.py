@@ -45,8 +45,10 @@ class BatchCosts:
     prior: CostModel
     learn: bool = True
     min_samples: int = 3
+    explore_every: int = 8
     target: dict[int, _Average] = field(default_factory=dict)
     draft: dict[int, _Average] = field(default_factory=dict)
+    decisions: int = 0
 
     def observe_target(self, tokens: int, seconds: float) -> None:
         if self.learn:
@@ -57,7 +59,8 @@ class BatchCosts:
             self.draft.setdefault(rows, _Average()).add(seconds_per_step)
 
     def target_cost(self, tokens: int) -> float:
-        return _scaled(self.target, tokens, self._prior_ratio, self.min_samples)
+        known = {n: a for n, a in self.target.items() if a.samples >= self.min_samples}
+        return _scaled(_monotone(known), tokens, self._prior_ratio)
 
     def draft_cost(self, rows: int) -> float:
         """One batched draft-model step over `rows` rows, in target_cost's units."""
@@ -74,12 +77,32 @@ class BatchCosts:
         verify = self.prior.verify
         if tokens <= len(verify):
             return verify[tokens - 1]
-        slope = verify[-1] - verify[-2] if len(verify) > 1 else verify[-1]
+        slope = (verify[-1] - verify[0]) / (len(verify) - 1) if len(verify) > 1 else verify[0]
         return verify[-1] + max(slope, 0.0) * (tokens - len(verify))
 
     def step_cost(self, rows: int, k: int, draft_model: bool) -> float:
         cost = self.target_cost(rows * (1 + k))
         return cost + (k * self.draft_cost(rows) if draft_model and k else 0.0)
+
+    def explore(
+        self, choice: tuple[int, bool], rates: dict[tuple[int, bool], float], rows: int
+    ) -> tuple[int, bool]:
+        """Now and then, the best-rated choice one draft token longer or shorter whose
+        forward size (rows * (1 + K) tokens) has too few measurements."""
+        self.decisions += 1
+        if not self.learn or self.decisions % self.explore_every:
+            return choice
+        k = choice[0]
+        unmeasured = [
+            option
+            for option in rates
+            if abs(option[0] - k) == 1 and self._samples(rows * (1 + option[0])) < self.min_samples
+        ]
+        return max(unmeasured, key=rates.get) if unmeasured else choice
+
+    def _samples(self, tokens: int) -> int:
+        average = self.target.get(tokens)
+        return average.samples if average else 0
 
     def as_dict(self) -> dict:
         return {
@@ -90,10 +113,22 @@ class BatchCosts:
         }
 
 
-def _scaled(table: dict[int, _Average], n: int, prior, min_samples: int) -> float:
+def _monotone(known: dict[int, _Average]) -> dict[int, float]:
+    """Measured seconds made non-decreasing in tokens (a forward over more tokens never
+    costs less), by pooling adjacent violators weighted by their sample counts."""
+    blocks: list[list[float]] = []  # [weighted mean, weight, count of points]
+    for n in sorted(known):
+        blocks.append([known[n].value, float(known[n].samples), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (v1, w1, c1), (v2, w2, c2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, c1 + c2]
+    values = [value for value, _, count in blocks for _ in range(count)]
+    return dict(zip(sorted(known), values, strict=True))
+
+
+def _scaled(known: dict[int, float], n: int, prior) -> float:
     """Measured seconds for n when known; else the nearest measured point scaled by
     the prior's ratio; else the prior ratio itself (all callers compare like units)."""
-    known = {m: a.value for m, a in table.items() if a.samples >= min_samples}
     if n in known:
         return known[n]
     if not known:
@@ -108,18 +143,20 @@ def choose_draft_length(
     """(K, run the draft model) maximising expected committed tokens per unit cost.
 
     `rows[i]` lists row i's drafting options (empty: the row just decodes). A row
-    drafts with whichever option yields more at the chosen K."""
+    drafts with whichever option yields more at the chosen K. Every `explore_every`
+    decisions, a neighbouring K whose forward size has not been measured yet is
+    tried instead, so a pessimistic prior cannot keep the best K from being found."""
     batch = len(rows)
-    plain = batch / costs.step_cost(batch, 0, False)
-    best, choice = plain * MIN_SPEEDUP, (0, False)
     any_model = any(o.uses_draft_model for options in rows for o in options)
+    rates = {(0, False): batch / costs.step_cost(batch, 0, False)}
     for k in range(1, k_max + 1):
         for with_model in (False, True) if any_model else (False,):
             tokens = sum(_row_expectation(options, k, with_model) for options in rows)
-            rate = tokens / costs.step_cost(batch, k, with_model)
-            if rate > best:
-                best, choice = rate, (k, with_model)
-    return choice
+            rates[(k, with_model)] = tokens / costs.step_cost(batch, k, with_model)
+    best = max(rates, key=rates.get)
+    if rates[best] < rates[(0, False)] * MIN_SPEEDUP:
+        best = (0, False)
+    return costs.explore(best, rates, batch)
 
 
 def _row_expectation(options: list[RowOption], k: int, with_model: bool) -> float:

@@ -11,9 +11,10 @@ Each step:
      length K maximises expected committed tokens per second (`batch_costs`):
      K = 0 is plain batching, one row is the single-stream rule;
   3. verify: one target forward over `[B, 1 + K]` (shorter drafts padded at the
-     end, which no real position attends), the exact acceptance rule per row
-     (greedy, or Leviathan with that row's sampling settings, processors and RNG),
-     then each row rolls back to exactly its committed tokens.
+     end, which no real position attends), the exact acceptance rule per row with
+     that row's sampling settings, processors and RNG (greedy: the argmax; seeded:
+     the plain seeded sample at each position; otherwise Leviathan's rejection
+     rule), then each row rolls back to exactly its committed tokens.
 
 Invariant after every step: target row i holds exactly `seq.all_tokens[:-1]` (the
 newest token is its next input), and draft row i holds exactly `row.draft_fed`.
@@ -62,7 +63,6 @@ class BatchedSpeculativeEngine:
         self,
         registry: ModelRegistry,
         speculative: SpeculativeEngine,
-        max_batch_size: int = 16,
         prefill_step_size: int = 512,
         costs: BatchCosts | None = None,
     ) -> None:
@@ -74,7 +74,6 @@ class BatchedSpeculativeEngine:
         self.k_cap = speculative.k_cap
         self.initial_gates = speculative.initial_gates
         self.costs = costs or BatchCosts(speculative.cost, learn=speculative.costs.learn)
-        self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
         self.rows: list[BatchRow] = []
         self.cache: list[RaggedKVCache] = []

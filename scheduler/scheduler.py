@@ -572,7 +572,7 @@ class Scheduler:
         config = self.config
         if self.speculation_supported:
             return BatchedSpeculativeEngine(
-                self.registry, self._spec, config.max_num_seqs, config.batch_prefill_step_size
+                self.registry, self._spec, config.batch_prefill_step_size
             )
         return BatchedEngine(self.registry, config.max_num_seqs, config.batch_prefill_step_size)
 

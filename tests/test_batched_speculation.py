@@ -45,7 +45,7 @@ def make_engines(target_dir, draft_dir=None, **config):
     costs and gates with) on one registry, with the batched engine owning the model."""
     registry = ModelRegistry.load(str(target_dir), str(draft_dir) if draft_dir else None)
     spec = SpeculativeEngine(registry, SpecConfig(**config), cost=COST)
-    batched = BatchedSpeculativeEngine(registry, spec, max_batch_size=16, prefill_step_size=64)
+    batched = BatchedSpeculativeEngine(registry, spec, prefill_step_size=64)
     registry.transfer(batched.name)
     return spec, batched
 

@@ -14,6 +14,8 @@ seconds measured on the engine's own forwards as they accumulate.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from engines.gates import MIN_SPEEDUP, CostModel, expected_tokens
@@ -30,12 +32,19 @@ class RowOption:
 
 @dataclass
 class _Average:
-    value: float = 0.0
+    """The median of the latest samples: one slow step (a first allocation, a busy
+    machine, lazily evaluated work of another kind landing in it) cannot skew it."""
+
+    recent: deque = field(default_factory=lambda: deque(maxlen=9))
     samples: int = 0
 
-    def add(self, seconds: float, weight: float = 0.2) -> None:
+    def add(self, seconds: float) -> None:
         self.samples += 1
-        self.value = seconds if self.samples == 1 else self.value + weight * (seconds - self.value)
+        self.recent.append(seconds)
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.recent)
 
 
 @dataclass

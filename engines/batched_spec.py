@@ -79,6 +79,7 @@ class BatchedSpeculativeEngine:
         self.cache: list[RaggedKVCache] = []
         self.draft_cache: list[RaggedKVCache] | None = None
         self.groups: list[_Group] = []
+        self._prefilled_last = False  # the previous step was a prefill chunk
         self.released: list[SequenceState] = []  # finished sequences' caches, for reuse
         self.step_sizes: list[tuple[int, int]] = []  # (rows, drafted) per row this step
         self.forward_seconds = 0.0  # model time of the last step (the rest is overhead)
@@ -199,13 +200,21 @@ class BatchedSpeculativeEngine:
     def step(self) -> list[StepOutput]:
         self.forward_seconds = 0.0
         self.step_sizes = []
-        if self.groups:
+        if self.groups and not (self.rows and self._prefilled_last):
+            # While rows decode, a prefill chunk is a step of its own (they wait for one
+            # chunk or one verify, never both); alone, newcomers verify right after it.
+            running = bool(self.rows)
             self._prefill_chunk()
+            self._prefilled_last = True
+            if running:
+                return []
+        self._prefilled_last = False
         if not self.rows:
             return []
         k, with_model = self._plan()
         if with_model:
             started = time.perf_counter()
+            steady = all(len(row.tokens) - len(row.draft_fed) <= 2 for row in self.rows)
             draft_with_model(
                 self.draft_model,
                 self.draft_cache,
@@ -216,7 +225,8 @@ class BatchedSpeculativeEngine:
             )
             seconds = time.perf_counter() - started
             self.forward_seconds += seconds
-            self.costs.observe_draft(len(self.rows), seconds / k)
+            if steady:  # a long catch-up is not what each drafted token costs
+                self.costs.observe_draft(len(self.rows), seconds / k)
         return self._verify(k)
 
     def _prefill_chunk(self) -> None:
@@ -237,7 +247,9 @@ class BatchedSpeculativeEngine:
             )
             for row, length in zip(group.rows, fed, strict=True):
                 row.draft_fed = row.tokens[:length]
-        mx.eval([layer.keys for layer in group.cache if layer.keys is not None])
+        # Evaluate all of it now, so no later step's timing absorbs this prefill.
+        layers = [*group.cache, *(group.draft_cache or [])]
+        mx.eval([layer.state for layer in layers if layer.keys is not None])
         self.forward_seconds += time.perf_counter() - started
         ready = [i for i, row in enumerate(group.rows) if self._prefilled(group, i)]
         if len(ready) == len(group.rows):

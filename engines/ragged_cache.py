@@ -22,7 +22,7 @@ The class speaks mlx-lm's cache protocol (`offset`, `update_and_fetch`, `make_ma
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 
 class RaggedKVCache:
@@ -238,3 +238,12 @@ def set_row_length(cache: list[RaggedKVCache], row: int, length: int) -> None:
         lengths = list(layer.lengths)
         lengths[row] = length
         layer.set_lengths(lengths)
+
+
+def warm_up(model) -> None:
+    """Two small ragged forwards (a ragged prefill, then one token per row), so the
+    first batched step after a mode switch does not pay MLX's first-use costs while
+    a stream waits on it."""
+    cache = [RaggedKVCache([0, 0]) for _ in make_prompt_cache(model)]
+    mx.eval(feed_rows(model, cache, [[1, 2, 3], [4]]))
+    mx.eval(feed_rows(model, cache, [[5], [6]]))

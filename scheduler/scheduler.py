@@ -31,6 +31,7 @@ from engines.errors import ContextTooLong, InvalidRequest, QueueFull, ServerNotR
 from engines.gates import CostModel
 from engines.prefix_cache import PrefixCache
 from engines.prompt_scoring import PromptScorer
+from engines.ragged_cache import warm_up
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest
 from engines.rollback import supports_rollback
@@ -330,6 +331,10 @@ class Scheduler:
         )
         registry.transfer(self._spec.name)
         log.info("speculation: %s", self._spec.describe())
+        if self.speculation_supported:  # the batched engine starts lazily, warm already
+            for model in (registry.target.model, registry.draft and registry.draft.model):
+                if model is not None:
+                    warm_up(model)
         self.model_info = ModelInfo(
             path=config.model,
             tokenizer=registry.tokenizer,

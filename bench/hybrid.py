@@ -62,6 +62,9 @@ def stream_times(url: str, max_tokens: int, stamps: list[float], started: list[f
     }
     started.append(time.perf_counter())
     with httpx.stream("POST", f"{url}/v1/completions", json=payload, timeout=600) as response:
+        if response.status_code != 200:
+            response.read()
+            raise SystemExit(f"switch probe refused ({response.status_code}): {response.text}")
         for line in response.iter_lines():
             if line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
                 stamps.append(time.perf_counter())
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
             results["blas"] = measured["blas"].get("blas", "unknown")
             results["modes"][name] = {"levels": measured["levels"], "switches": mode_switches(url)}
             if name == "hybrid":
-                results["switch"] = switch_probe(url, 240, 10, 24)
+                results["switch"] = switch_probe(url, args.switch_tokens, 10, 24)
         finally:
             stop_server(proc)
     if args.peer != "none":
@@ -156,6 +159,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds, for the hybrid-wait server",
     )
     parser.add_argument("--dataset", default="mixed")
+    parser.add_argument(
+        "--switch-tokens",
+        type=int,
+        default=240,
+        help="length of the switch probe's long stream (keep it within the model's context)",
+    )
     parser.add_argument(
         "--modes",
         default="hybrid,batch-only,spec-only",

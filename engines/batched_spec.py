@@ -37,7 +37,7 @@ from engines.batched_drafting import BatchRow, draft_with_model, roll_back_draft
 from engines.drafters import DRAFT, PLD, DraftState, PromptLookupDrafter, shared_prefix
 from engines.gates import expected_tokens
 from engines.logprobs import token_logprobs
-from engines.ragged_cache import RaggedKVCache, feed_chunk, ragged_from_rows
+from engines.ragged_cache import RaggedKVCache, feed_chunk, feed_rows, ragged_from_rows
 from engines.registry import ModelRegistry
 from engines.sampling import coupled_tokens, filter_logprobs, sample_token
 from engines.sequence import FinishReason, Sequence, StepOutput
@@ -201,13 +201,11 @@ class BatchedSpeculativeEngine:
         self.forward_seconds = 0.0
         self.step_sizes = []
         if self.groups and not (self.rows and self._prefilled_last):
-            # While rows decode, a prefill chunk is a step of its own (they wait for one
-            # chunk or one verify, never both); alone, newcomers verify right after it.
-            running = bool(self.rows)
-            self._prefill_chunk()
+            # A prefill chunk is a step of its own, alternating with verifies while rows
+            # decode (they wait for one chunk or one verify, never both); it returns the
+            # first tokens of the prompts it completes.
             self._prefilled_last = True
-            if running:
-                return []
+            return self._prefill_chunk()
         self._prefilled_last = False
         if not self.rows:
             return []
@@ -229,9 +227,11 @@ class BatchedSpeculativeEngine:
                 self.costs.observe_draft(len(self.rows), seconds / k)
         return self._verify(k)
 
-    def _prefill_chunk(self) -> None:
-        """One chunk of every prompt in the first group (target and draft caches);
-        the group joins the batch when each row holds all but its newest token."""
+    def _prefill_chunk(self) -> list[StepOutput]:
+        """One chunk of every prompt in the first group (target and draft caches).
+        A row whose cache then holds all but its newest token gets its next token from
+        one small forward of the group (not a verify of the whole batch, so time to
+        first token is the prefill plus one token) and joins the batch."""
         group = self.groups[0]
         group.started = True
         started = time.perf_counter()
@@ -252,15 +252,42 @@ class BatchedSpeculativeEngine:
         mx.eval([layer.state for layer in layers if layer.keys is not None])
         self.forward_seconds += time.perf_counter() - started
         ready = [i for i, row in enumerate(group.rows) if self._prefilled(group, i)]
+        if not ready:
+            return []
+        outputs = self._first_tokens(group, ready)
+        joined = len(self.rows)
         if len(ready) == len(group.rows):
             self.groups.pop(0)
             self._merge(group.rows, group.cache, group.draft_cache)
-        elif ready:  # short prompts start decoding while long ones keep prefilling
+        else:  # short prompts start decoding while long ones keep prefilling
             rows = [group.rows[i] for i in ready]
             cache = [layer.take(ready) for layer in group.cache]
             draft = [layer.take(ready) for layer in group.draft_cache or []] or None
             _remove_rows(group.rows, group.cache, group.draft_cache, ready)
             self._merge(rows, cache, draft)
+        done = {o.request_id for o in outputs if o.finish_reason is not None}
+        self._release(
+            [i for i in range(joined, len(self.rows)) if self.rows[i].seq.request_id in done]
+        )
+        return outputs
+
+    def _first_tokens(self, group: _Group, ready: list[int]) -> list[StepOutput]:
+        """Feed the newest token of the `ready` rows of `group` and commit the token
+        that follows it: afterwards each holds all but its newest token again."""
+        started = time.perf_counter()
+        fed = [[row.tokens[-1]] if i in ready else [] for i, row in enumerate(group.rows)]
+        logits = feed_rows(self.model, group.cache, fed)[mx.array(ready, dtype=mx.int32)]
+        rows = [group.rows[i] for i in ready]
+        fed_rows = [fed[i] for i in ready]
+        logprobs = self._process(rows, logits, fed_rows)
+        decisions = self._accept(rows, logprobs, fed_rows)
+        self.forward_seconds += time.perf_counter() - started
+        outputs = []
+        for j, (row, (_, token)) in enumerate(zip(rows, decisions, strict=True)):
+            for gate in row.gates.values():
+                gate.plain_token()
+            outputs.append(self._commit(row, [token], logprobs[j]))
+        return outputs
 
     @staticmethod
     def _prefilled(group: _Group, index: int) -> bool:
@@ -331,8 +358,8 @@ class BatchedSpeculativeEngine:
         lengths = list(self.cache[0].lengths)
         inputs = mx.array([fed + [0] * (width - len(fed)) for fed in fed_rows])
         logits = self.model(inputs, cache=self.cache)
-        logprobs = self._process(logits, fed_rows)
-        decisions = self._accept(logprobs, fed_rows)
+        logprobs = self._process(self.rows, logits, fed_rows)
+        decisions = self._accept(self.rows, logprobs, fed_rows)
         self.costs.observe_target(len(self.rows) * width, time.perf_counter() - started)
         self.forward_seconds += time.perf_counter() - started
         kept = [
@@ -366,11 +393,12 @@ class BatchedSpeculativeEngine:
         self._release(finished)
         return outputs
 
-    def _process(self, logits: mx.array, fed_rows: list[list[int]]) -> mx.array:
+    @staticmethod
+    def _process(batch: list[BatchRow], logits: mx.array, fed_rows: list[list[int]]) -> mx.array:
         """Log-probabilities per row and position, after that row's processors with
         exactly the history a plain step would have seen."""
         rows = []
-        for i, (row, fed) in enumerate(zip(self.rows, fed_rows, strict=True)):
+        for i, (row, fed) in enumerate(zip(batch, fed_rows, strict=True)):
             row_logits = logits[i]
             if row.seq.processors:
                 history = row.tokens[:-1]
@@ -384,15 +412,17 @@ class BatchedSpeculativeEngine:
                     positions.append(position)
                 row_logits = mx.concatenate(positions, axis=0)
             rows.append(row_logits)
-        logits = mx.stack(rows) if any(r.seq.processors for r in self.rows) else logits
+        logits = mx.stack(rows) if any(r.seq.processors for r in batch) else logits
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
-    def _accept(self, logprobs: mx.array, fed_rows: list[list[int]]) -> list[tuple[int, int]]:
+    def _accept(
+        self, batch: list[BatchRow], logprobs: mx.array, fed_rows: list[list[int]]
+    ) -> list[tuple[int, int]]:
         """(accepted drafts, next token) per row: greedy rows from one batched argmax,
         sampled rows by the rejection rule with their own settings and RNG."""
         argmax = mx.argmax(logprobs, axis=-1)
         coupled, pending = {}, {}
-        for i, (row, fed) in enumerate(zip(self.rows, fed_rows, strict=True)):
+        for i, (row, fed) in enumerate(zip(batch, fed_rows, strict=True)):
             params, rng = row.seq.request.sampling, row.seq.rng
             position = len(row.seq.generated)
             if params.greedy:

@@ -119,10 +119,7 @@ class BatchedSpeculativeEngine:
             self.groups.append(_Group([row], cache, draft))
             return
         group.rows.append(row)
-        for layer, extra in zip(group.cache, cache, strict=True):
-            layer.extend(extra)
-        for layer, extra in zip(group.draft_cache or [], draft or [], strict=True):
-            layer.extend(extra)
+        _extend([*group.cache, *(group.draft_cache or [])], [*cache, *(draft or [])])
 
     admit = insert
 
@@ -148,10 +145,7 @@ class BatchedSpeculativeEngine:
             self.rows, self.cache, self.draft_cache = list(rows), cache, draft
             return
         self.rows.extend(rows)
-        for layer, extra in zip(self.cache, cache, strict=True):
-            layer.extend(extra)
-        for layer, extra in zip(self.draft_cache or [], draft or [], strict=True):
-            layer.extend(extra)
+        _extend([*self.cache, *(self.draft_cache or [])], [*cache, *(draft or [])])
 
     def extract(self, request_id: str) -> SequenceState:
         """Leave with the target cache of every committed token but the newest, and the
@@ -506,6 +500,12 @@ class BatchedSpeculativeEngine:
 
     def close(self) -> None:
         self.rows, self.cache, self.draft_cache, self.groups = [], [], None, []
+
+
+def _extend(layers: list[RaggedKVCache], extra: list[RaggedKVCache]) -> None:
+    """Append `extra`'s rows to `layers`' (target and draft layers, in the same order)."""
+    for layer, more in zip(layers, extra, strict=True):
+        layer.extend(more)
 
 
 def _remove_rows(rows: list, cache: list[RaggedKVCache], draft, indices: list[int]) -> None:

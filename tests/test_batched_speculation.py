@@ -8,11 +8,9 @@ from __future__ import annotations
 import zlib
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
-from scipy.stats import chi2_contingency
 
 from engines.batched_spec import BatchedSpeculativeEngine
 from engines.gates import CostModel
@@ -22,6 +20,7 @@ from engines.request import GenerationRequest, SamplingParams, SpeculationOverri
 from engines.sampling import RandomStream
 from engines.sequence import FinishReason, make_sequence
 from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
+from tests.distributions import assert_same_token_distribution
 
 # Nearly flat verify costs (as for a tiny model): drafting pays at every batch size,
 # so every test exercises batched verification.
@@ -356,15 +355,7 @@ def test_sampled_rows_in_a_batch_match_plain_sampling_distribution(perturbed, re
     trials = 1200
     spec = _first_two(engine, prompt, [base + i for i in range(trials)], spec=True)
     plain = _first_two(engine, prompt, [base + trials + i for i in range(trials)], spec=False)
-    for position in (0, 1):
-        a = np.array([p[position] for p in spec])
-        b = np.array([p[position] for p in plain])
-        tokens = sorted(set(a) | set(b))
-        table = np.array([[np.sum(a == t) for t in tokens], [np.sum(b == t) for t in tokens]])
-        keep = table.sum(axis=0) >= 10
-        table = np.column_stack([table[:, keep], table[:, ~keep].sum(axis=1)])
-        table = table[:, table.sum(axis=0) > 0]
-        assert chi2_contingency(table).pvalue > 1e-3, (position, table)
+    assert_same_token_distribution(spec, plain)
 
 
 def test_state_handed_back_holds_exactly_the_committed_tokens(perturbed, reference):

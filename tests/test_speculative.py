@@ -5,10 +5,8 @@ back on, and state that can be exported and resumed without changing the output.
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_logits_processors
-from scipy.stats import chi2_contingency
 
 from engines.gates import CostModel
 from engines.registry import ModelRegistry
@@ -16,6 +14,7 @@ from engines.request import GenerationRequest, SamplingParams, SpeculationOverri
 from engines.sampling import RandomStream
 from engines.sequence import FinishReason, make_sequence
 from engines.speculative import SpecConfig, SpeculativeEngine
+from tests.distributions import assert_same_token_distribution
 
 COST = CostModel.assumed(9)
 CODE_PROMPT = "def add(a, b):\n    return a + b\n" * 4
@@ -273,15 +272,7 @@ def test_sampled_speculative_first_tokens_match_plain_distribution(perturbed_eng
     trials = 1500
     spec = first_tokens(perturbed_engine, prompt_ids, trials, spec=True)
     plain = first_tokens(perturbed_engine, prompt_ids, trials, spec=False)
-    for position in (0, 1):
-        a = np.array([p[position] for p in spec])
-        b = np.array([p[position] for p in plain])
-        tokens = sorted(set(a) | set(b))
-        table = np.array([[np.sum(a == t) for t in tokens], [np.sum(b == t) for t in tokens]])
-        keep = table.sum(axis=0) >= 10
-        table = np.column_stack([table[:, keep], table[:, ~keep].sum(axis=1)])
-        table = table[:, table.sum(axis=0) > 0]
-        assert chi2_contingency(table).pvalue > 1e-3, (position, table)
+    assert_same_token_distribution(spec, plain)
     assert perturbed_engine.totals.by_method["draft"].accepted_tokens > 0
 
 

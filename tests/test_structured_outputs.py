@@ -393,21 +393,34 @@ async def test_a_broken_constraint_fails_only_its_request(tiny_model_dir, refere
         processor.matcher = BrokenMatcher()
         return [processor]
 
+    good_result, bad_result, batched = await good_beside_broken(
+        tiny_model_dir, reference, factory, ignore_eos=True
+    )
+    assert batched  # they shared batched forwards
+    assert isinstance(bad_result, RequestFailed) and "matcher exploded" in str(bad_result)
+    assert good_result == reference.greedy_tokens(reference.tokenizer.encode(GOOD), 30)
+
+
+GOOD = "A fine prompt"
+
+
+async def good_beside_broken(tiny_model_dir, reference, factory, **bad_options):
+    """A fine request and a "BREAK" one (whose constraint `factory` breaks) submitted
+    together: (the fine one's tokens, the broken one's result or exception, whether the
+    batched engine served them)."""
     scheduler = start_scheduler(tiny_model_dir, logits_processor_factory=factory)
     try:
-        good = reference.tokenizer.encode("A fine prompt")
+        good = reference.tokenizer.encode(GOOD)
         bad = reference.tokenizer.encode("BREAK this one")
         greedy = SamplingParams(temperature=0.0)
         streams = [
             scheduler.submit(GenerationRequest("good", tuple(good), 30, greedy, ignore_eos=True)),
-            scheduler.submit(GenerationRequest("bad", tuple(bad), 30, greedy, ignore_eos=True)),
+            scheduler.submit(GenerationRequest("bad", tuple(bad), 30, greedy, **bad_options)),
         ]
         good_result, bad_result = await asyncio.gather(
             tokens_of(streams[0]), tokens_of(streams[1]), return_exceptions=True
         )
-        assert scheduler.batched_engine is not None  # they shared batched forwards
-        assert isinstance(bad_result, RequestFailed) and "matcher exploded" in str(bad_result)
-        assert good_result == reference.greedy_tokens(good, 30)
+        return good_result, bad_result, scheduler.batched_engine is not None
     finally:
         scheduler.stop()
 
@@ -493,24 +506,11 @@ async def test_a_matcher_in_an_error_state_fails_only_its_request(tiny_model_dir
         )
         return [processor]
 
-    scheduler = start_scheduler(tiny_model_dir, logits_processor_factory=factory)
-    try:
-        good = reference.tokenizer.encode("A fine prompt")
-        bad = reference.tokenizer.encode("BREAK this one")
-        greedy = SamplingParams(temperature=0.0)
-        streams = [
-            scheduler.submit(GenerationRequest("good", tuple(good), 30, greedy, ignore_eos=True)),
-            scheduler.submit(GenerationRequest("bad", tuple(bad), 30, greedy)),
-        ]
-        good_result, bad_result = await asyncio.gather(
-            tokens_of(streams[0]), tokens_of(streams[1]), return_exceptions=True
-        )
-        assert scheduler.batched_engine is not None  # they shared batched forwards
-        assert isinstance(bad_result, RequestFailed), bad_result
-        assert "too many expressions" in str(bad_result)
-        assert good_result == reference.greedy_tokens(good, 30)
-    finally:
-        scheduler.stop()
+    good_result, bad_result, batched = await good_beside_broken(tiny_model_dir, reference, factory)
+    assert batched  # they shared batched forwards
+    assert isinstance(bad_result, RequestFailed), bad_result
+    assert "too many expressions" in str(bad_result)
+    assert good_result == reference.greedy_tokens(reference.tokenizer.encode(GOOD), 30)
 
 
 def many_branches(n: int) -> dict:

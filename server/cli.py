@@ -80,6 +80,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="how <think> blocks become reasoning_content / thinking",
     )
     parser.add_argument("--inject-fault-on", help=argparse.SUPPRESS)  # test hook
+    # test hook: a fixed cost model instead of timing this machine, so whether a step
+    # drafts does not depend on how fast the test box happens to be
+    parser.add_argument("--assume-draft-costs", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--max-tokens",
         type=int,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import uvicorn
 
+from engines.gates import CostModel
 from scheduler import SchedulerState
 from scheduler.config import SchedulerConfig
 from server.config import ServerConfig
@@ -89,6 +90,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
             prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)),
             request_timeout=args.request_timeout,
             fault_marker=args.inject_fault_on,
+            cost_model=CostModel.assumed(9) if args.assume_draft_costs else None,
         ),
         served_model_name=name,
         host=args.host,

@@ -101,15 +101,19 @@ class BatchedSpeculativeEngine:
         self.insert(SequenceState(seq, make_prompt_cache(self.registry.target.model), 0))
 
     def insert(self, state: SequenceState) -> None:
-        """Join with the cache as it is: a sequence whose cache holds all but its
-        newest token joins the batch now; others prefill in the next group."""
+        """Join with the cache as it is. A sequence already generating (a migration)
+        whose cache holds all but its newest token joins the batch now; the others go
+        to the next group, which prefills what their caches lack and gives each its
+        first token from one small forward of the group -- also a prompt found whole
+        in the prefix cache, whose first token would otherwise wait for a verify of
+        the whole batch at its full draft length."""
         seq = state.seq
         gates = state.gates if state.gates is not None else self.initial_gates(seq)
         pld = state.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
         row = BatchRow(seq, gates, pld)
         draft_rows = self._draft_row_cache(row, state.draft)
         ready = state.cached == len(seq.all_tokens) - 1
-        if ready and not self.groups:
+        if ready and seq.generated and not self.groups:
             self._join([row], [list(state.cache)], draft_rows)
             return
         group = self.groups[-1] if self.groups and not self.groups[-1].started else None
@@ -487,14 +491,19 @@ class BatchedSpeculativeEngine:
     def _release(self, finished: list[int]) -> None:
         """Finished rows leave; each leaves its cache trimmed to the committed tokens
         it holds (a row whose commit failed holds tokens it did not commit: the trim
-        removes them too)."""
+        removes them too), and its draft cache of the committed tokens it holds."""
         for i in finished:
             row = self.rows[i]
             held = min(self.cache[0].lengths[i], len(row.tokens))
             for layer in self.cache:
                 layer.lengths[i] = held
             cache = [layer.extract(i) for layer in self.cache]
-            self.released.append(SequenceState(row.seq, cache, held))
+            draft = None
+            if self.draft_cache is not None:
+                roll_back_draft(self.draft_cache, self.rows, i)
+                draft_cache = [layer.extract(i) for layer in self.draft_cache]
+                draft = DraftState(draft_cache, list(row.draft_fed))
+            self.released.append(SequenceState(row.seq, cache, held, draft=draft))
         if finished:
             self._drop(finished)
 

@@ -5,6 +5,11 @@ cache keyed by the tokens it holds; a new request starts from the longest cached
 prefix of its prompt and prefills only the rest. Both engines start sequences from
 a `SequenceState`, so a cache hit works the same whichever engine serves it.
 
+With a draft model, an entry also keeps the request's draft-model cache, cut to the
+same tokens (one entry, the target's layers then the draft's, so mlx-lm trims and
+evicts them together): a hit then drafts at once instead of re-prefilling the draft
+model over the whole prompt before its first proposal.
+
 Entries are partitioned by `scope` (the server passes an id of the caller's API key):
 a hit, and the `cached_tokens` it reports, would otherwise tell one user how much of
 their prompt another user has sent (a system prompt, a document). The partitions
@@ -13,35 +18,63 @@ share one LRU and its bounds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
+from engines.drafters import DraftState
+
 MODEL_KEY = "target"
+MAX_DRAFT_LAG = 16  # a draft cache this many tokens short of the target's is still kept
+
+
+@dataclass
+class PrefixHit:
+    cache: list  # the target's KV cache, holding `cached` leading tokens of the prompt
+    cached: int
+    draft: DraftState | None  # the draft model's cache of the same tokens, if kept
 
 
 class PrefixCache:
     def __init__(self, max_entries: int = 16, max_bytes: int = 2 << 30) -> None:
         self._lru = LRUPromptCache(max_size=max_entries, max_bytes=max_bytes)
+        self._target_layers = 0  # an entry's first this-many layers are the target's
 
-    def lookup(self, tokens: list[int], scope: str = "") -> tuple[list | None, int]:
-        """(cache copy, number of leading `tokens` it holds), from `scope`'s entries
-        only; at least one token is always left uncached, because the next forward
-        needs an input."""
-        cache, rest = self._lru.fetch_nearest_cache((MODEL_KEY, scope), tokens)
-        if cache is None:
-            return None, 0
+    def lookup(self, tokens: list[int], scope: str = "") -> PrefixHit | None:
+        """The longest cached prefix of `tokens` among `scope`'s entries (a copy); at
+        least one token is always left uncached, because the next forward needs an
+        input."""
+        layers, rest = self._lru.fetch_nearest_cache((MODEL_KEY, scope), tokens)
+        if layers is None:
+            return None
+        cache, draft = layers[: self._target_layers], layers[self._target_layers :]
         cached = len(tokens) - len(rest)
         if cached == len(tokens):
-            if not can_trim_prompt_cache(cache):
-                return None, 0
-            trim_prompt_cache(cache, 1)
+            if not can_trim_prompt_cache([*cache, *draft]):
+                return None
+            trim_prompt_cache([*cache, *draft], 1)
             cached -= 1
-        return (cache, cached) if cached > 0 else (None, 0)
+        if cached <= 0:
+            return None
+        return PrefixHit(cache, cached, DraftState(draft, list(tokens[:cached])) if draft else None)
 
-    def store(self, tokens: list[int], cache: list, scope: str = "") -> None:
-        """Keep `cache`, which must hold exactly `tokens`, for `scope`'s lookups; the
-        caller gives it up."""
-        if tokens and cache:
-            self._lru.insert_cache((MODEL_KEY, scope), list(tokens), cache)
+    def store(
+        self, tokens: list[int], cache: list, scope: str = "", draft: DraftState | None = None
+    ) -> None:
+        """Keep `cache`, which must hold exactly `tokens`, for `scope`'s lookups, with
+        the draft cache when it holds nearly all of them too (both are cut to the
+        tokens both hold); the caller gives them up."""
+        if not tokens or not cache:
+            return
+        draft_layers: list = []
+        if draft is not None and draft.cache:
+            shared = _common_prefix(draft.fed, tokens)
+            close = 0 < shared and len(tokens) - shared <= MAX_DRAFT_LAG
+            if close and _trim(draft.cache, len(draft.fed) - shared):
+                if _trim(cache, len(tokens) - shared):
+                    tokens, draft_layers = tokens[:shared], draft.cache
+        self._target_layers = len(cache)
+        self._lru.insert_cache((MODEL_KEY, scope), list(tokens), [*cache, *draft_layers])
 
     @property
     def nbytes(self) -> int:
@@ -49,3 +82,21 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._lru)
+
+
+def _trim(cache: list, count: int) -> bool:
+    """Trim `count` positions from every layer; False (untouched) if they cannot be."""
+    if count == 0:
+        return True
+    if not can_trim_prompt_cache(cache):
+        return False
+    return trim_prompt_cache(cache, count) == count
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    shared = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        shared += 1
+    return shared

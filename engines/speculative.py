@@ -431,4 +431,6 @@ class SpeculativeEngine:
         if active.cached > committed:
             trim_exact(active.cache, active.cached - committed)
             active.cached = committed
-        self.released.append(SequenceState(active.seq, active.cache, active.cached))
+        self.released.append(
+            SequenceState(active.seq, active.cache, active.cached, draft=active.draft)
+        )

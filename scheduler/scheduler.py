@@ -476,13 +476,14 @@ class Scheduler:
                 )
                 self._running[tracked.request.request_id] = tracked
                 return
+            scope = tracked.request.cache_scope
+            hit = self._prefix.lookup(prompt, scope) if self._prefix else None
+            if hit is None:
+                state = SequenceState(tracked.seq, make_prompt_cache(self.registry.target.model), 0)
             else:
-                scope = tracked.request.cache_scope
-                cache, cached = self._prefix.lookup(prompt, scope) if self._prefix else (None, 0)
-                if cache is None:
-                    cache, cached = make_prompt_cache(self.registry.target.model), 0
-                tracked.cached_tokens = cached
-            engine.admit(SequenceState(tracked.seq, cache, cached))
+                state = SequenceState(tracked.seq, hit.cache, hit.cached, draft=hit.draft)
+            tracked.cached_tokens = state.cached
+            engine.admit(state)
             tracked.modes.append(self._mode.value)
         except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
             log.exception("request %s could not start", tracked.request.request_id)
@@ -631,9 +632,8 @@ class Scheduler:
         for state in engine.released:
             tokens = state.seq.all_tokens
             if self._prefix is not None and state.cached <= len(tokens):
-                self._prefix.store(
-                    tokens[: state.cached], state.cache, state.seq.request.cache_scope
-                )
+                scope = state.seq.request.cache_scope
+                self._prefix.store(tokens[: state.cached], state.cache, scope, state.draft)
         engine.released.clear()
 
     def _publish(self, output: StepOutput) -> None:

@@ -106,14 +106,15 @@ def test_lookup_always_leaves_one_token_to_feed(tiny_model_dir, reference):
 
     reference.model(mx.array(tokens)[None], cache=kv)
     cache.store(tokens, kv)
-    hit, cached = cache.lookup(tokens)
-    assert cached == len(tokens) - 1 and hit[0].offset == len(tokens) - 1
+    hit = cache.lookup(tokens)
+    assert hit.cached == len(tokens) - 1 and hit.cache[0].offset == len(tokens) - 1
+    assert hit.draft is None
     other = reference.tokenizer.encode("Completely different")
     common = next(i for i, (a, b) in enumerate(zip(tokens, other, strict=False)) if a != b)
     assert common == 1, "only BOS is shared"
-    partial, cached = cache.lookup(other)
-    assert cached == common and partial[0].offset == common
-    assert cache.lookup([9999, 1, 2]) == (None, 0)
+    partial = cache.lookup(other)
+    assert partial.cached == common and partial.cache[0].offset == common
+    assert cache.lookup([9999, 1, 2]) is None
 
 
 async def test_a_plain_turn_ending_in_eos_is_stored_for_the_next_turn(tiny_model_dir, reference):
@@ -215,3 +216,75 @@ async def test_prefix_cache_is_partitioned_by_api_key(fresh_scheduler):
         assert await openai_chat("key-b") == 0, "key B saw key A's prompt in the cache"
         assert await anthropic_messages("key-b") > 0, "B's own entry is B's to reuse"
         assert await openai_chat("key-a") > 0
+
+
+def _filled(model, tokens: list[int]) -> list:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(tokens)[None], cache=cache))
+    return cache
+
+
+@pytest.mark.parametrize("lag", [0, 3, 40])
+def test_an_entry_keeps_the_draft_cache_cut_to_the_tokens_both_hold(
+    reference, perturbed_draft_dir, lag
+):
+    """A hit hands back the draft model's cache of exactly the tokens it claims, so a
+    hit drafts at once; a draft cache far behind the target's is not kept (the
+    target's entry then keeps all its tokens)."""
+    from mlx_lm import load
+
+    from engines.drafters import DraftState
+
+    draft_model, _ = load(str(perturbed_draft_dir))
+    tokens = reference.tokenizer.encode("Once upon a time there was a little robot " * 6)
+    assert len(tokens) > 50
+    target = _filled(reference.model, tokens)
+    fed = tokens[: len(tokens) - lag] + [7, 7]  # two rejected drafts after the shared part
+    cache = PrefixCache(max_entries=4)
+    cache.store(tokens, target, draft=DraftState(_filled(draft_model, fed), fed))
+    query = tokens + reference.tokenizer.encode(" and then", add_special_tokens=False)
+    hit = cache.lookup(query)
+    kept = len(tokens) if lag > 16 else len(tokens) - lag
+    assert hit.cached == kept and all(layer.offset == kept for layer in hit.cache)
+    if lag > 16:
+        assert hit.draft is None
+        return
+    assert hit.draft.fed == query[:kept]
+    assert all(layer.offset == kept for layer in hit.draft.cache)
+    # The kept draft cache is the draft model's cache of those tokens: its next logits
+    # equal a fresh prefill's.
+    following = mx.array(query[kept : kept + 2])[None]
+    fresh = _filled(draft_model, query[:kept])
+    expected = draft_model(following, cache=fresh)
+    assert mx.allclose(draft_model(following, cache=hit.draft.cache), expected, atol=1e-4)
+
+
+async def test_prefix_hits_with_draft_caches_stay_exact_in_both_engines(
+    tiny_model_dir, perturbed_draft_dir, reference
+):
+    """Requests that start from a stored target and draft cache -- alone (speculative
+    engine) and three at once (batched speculation) -- decode exactly as plain
+    decoding does, and report the hit."""
+    scheduler = start_scheduler(tiny_model_dir, draft_model=str(perturbed_draft_dir))
+    try:
+        system_ids = reference.tokenizer.encode(SYSTEM)
+        greedy = SamplingParams(temperature=0.0)
+
+        def request(rid: str, suffix: str) -> GenerationRequest:
+            ids = system_ids + reference.tokenizer.encode(suffix, add_special_tokens=False)
+            return GenerationRequest(rid, tuple(ids), 24, greedy, ignore_eos=True)
+
+        await scheduler.submit(request("warm", " first")).collect()
+        alone = await scheduler.submit(request("alone", " first")).collect()
+        assert alone[-1].cached_tokens >= len(system_ids)
+        streams = [scheduler.submit(request(f"b{i}", " first")) for i in range(3)]
+        results = [alone, *await asyncio.gather(*(s.collect() for s in streams))]
+        assert scheduler.batched_engine is not None
+        expected = reference.greedy_tokens(list(request("x", " first").prompt_tokens), 24)
+        for events in results:
+            assert events[-1].cached_tokens >= len(system_ids)
+            assert [t for e in events for t in e.token_ids] == expected
+    finally:
+        scheduler.stop()

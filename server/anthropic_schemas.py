@@ -142,7 +142,7 @@ class SpeculationFields(BaseModel):
 
 
 class Metadata(SpeculationFields):
-    user_id: StrictStr | None = None
+    user_id: Annotated[StrictStr, Field(max_length=256)] | None = None  # Anthropic's limit
 
 
 class OutputConfig(BaseModel):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from engines.errors import RequestAborted, RequestFailed
 from engines.request import GenerationRequest
@@ -31,6 +31,7 @@ from server.http import (
     parse_body,
     submit,
 )
+from server.json_body import PiecewiseJSONResponse
 from server.logprobs_format import chat_logprobs, merge
 from server.output_parser import OutputParser, ParsedDelta, ToolCall
 from server.prompts import message_text, render_chat
@@ -194,7 +195,15 @@ async def create_chat_completion(request: Request) -> Response:
     events = await collect_unless_disconnected(request, stream)
     if events is None:
         return Response(status_code=499)
-    return JSONResponse(chat_json(job, parser, events))
+    return await off_the_loop(chat_response, job, parser, events)
+
+
+def chat_response(
+    job: ChatJob, parser: OutputParser, events: list[TokenEvent]
+) -> PiecewiseJSONResponse:
+    """The finished completion, its output parsed and its logprobs formatted (a decode per
+    token and per alternative), serialized in a worker thread to keep the loop free."""
+    return PiecewiseJSONResponse(chat_json(job, parser, events))
 
 
 def delta_fields(delta: ParsedDelta, first_tool_index: int) -> list[dict]:

@@ -1,4 +1,9 @@
-"""POST /v1/completions (OpenAI legacy completions), JSON and SSE."""
+"""POST /v1/completions (OpenAI legacy completions), JSON and SSE.
+
+Logprobs cost a decode per token and per alternative (21 with `logprobs: 20`), and an
+echoed prompt is thousands of tokens: formatting them runs in a worker thread, so the
+event loop keeps serving other clients meanwhile.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from engines.errors import RequestAborted, RequestFailed
 from engines.request import GenerationRequest
@@ -25,6 +30,7 @@ from server.http import (
     parse_body,
     submit,
 )
+from server.json_body import PiecewiseJSONResponse
 from server.logprobs_format import completion_logprobs, join_logprobs, merge, prompt_logprobs
 from server.prompts import completion_prompt_ids, fim_prompt_ids
 from server.schemas import CompletionRequest
@@ -138,7 +144,12 @@ async def create_completion(request: Request) -> Response:
     events = await collect_unless_disconnected(request, stream)
     if events is None:
         return Response(status_code=499)
-    return JSONResponse(completion_json(job, events))
+    return await off_the_loop(completion_response, job, events)
+
+
+def completion_response(job: CompletionJob, events: list[TokenEvent]) -> PiecewiseJSONResponse:
+    """The finished completion, formatted and serialized (in a worker thread)."""
+    return PiecewiseJSONResponse(completion_json(job, events))
 
 
 async def completion_chunks(
@@ -160,7 +171,7 @@ async def completion_chunks(
             if not echoed:  # the prompt goes first, scored when asked
                 echo_logprobs = None
                 if job.gen.prompt_logprobs is not None:
-                    echo_logprobs, offset = echoed_logprobs(job, event)
+                    echo_logprobs, offset = await off_the_loop(echoed_logprobs, job, event)
                 yield sse_data(chunk(job.echo_text, None, echo_logprobs))
                 echoed = True
             last = event

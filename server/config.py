@@ -24,3 +24,4 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     tool_call_parser: str = "auto"  # auto (from the chat template), none, or an mlx-lm parser
     reasoning_parser: str = "auto"  # auto (from the vocabulary), none, think, deepseek_r1
+    responses_store_bytes: int = 32 << 20  # bound on stored Responses (also 256 entries)

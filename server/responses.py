@@ -2,10 +2,11 @@
 stored responses.
 
 Input items become the normalised messages the chat surface renders. Output is split
-by `OutputParser`, then `OutputAssembler` builds the Responses output items (reasoning,
-message, function_call) and, step by step, the stream events that build them: streamed
-and non-streamed responses come from one code path. `previous_response_id` continues a
-conversation kept in `ResponseStore`, a bounded LRU on app.state.
+by `OutputParser`, then `OutputAssembler` (server/responses_output.py) builds the Responses
+output items and the stream events that build them. `previous_response_id` continues a
+conversation kept in `ResponseStore`, an LRU on app.state bounded by entries and bytes
+and scoped by API key. A finished response is assembled and stored in a worker thread:
+its work grows with the output, and on the event loop it would pause every stream.
 
 The text inside <think>…</think> is the model's raw reasoning, so it goes where OpenAI
 puts raw chain of thought: `content: [{"type": "reasoning_text"}]` of a reasoning item,
@@ -14,10 +15,8 @@ streamed as `response.reasoning_text.delta`; `summary` stays empty (we write non
 
 from __future__ import annotations
 
-import copy
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from itertools import count
@@ -30,6 +29,7 @@ from engines.errors import RequestAborted, RequestFailed
 from engines.request import GenerationRequest
 from engines.sequence import FinishReason
 from scheduler import TokenEvent
+from server.auth import caller_key_id
 from server.errors import ApiError, bad_request, from_tandem_error
 from server.generation import build_request, effective_max_tokens
 from server.http import (
@@ -43,8 +43,10 @@ from server.http import (
     parse_body,
     submit,
 )
-from server.output_parser import OutputParser, ParsedDelta, ToolCall
+from server.json_body import PiecewiseJSONResponse
+from server.output_parser import OutputParser
 from server.prompts import render_chat
+from server.responses_output import OutputAssembler, assistant_turn, new_item_id
 from server.responses_schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -65,11 +67,6 @@ from server.structured import (
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 # --- request -> engine terms (pure) ------------------------------------------------
-
-
-def new_item_id(prefix: str) -> str:
-    """OpenAI-style ids: resp_…, msg_…, fc_…, rs_…"""
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def refuse_unsupported(body: ResponsesRequest) -> None:
@@ -189,8 +186,13 @@ def store_of(request: Request) -> ResponseStore:
     """The app's store, created on first use (tests may put a smaller one there first)."""
     state = request.app.state
     if getattr(state, "responses_store", None) is None:
-        state.responses_store = ResponseStore()
+        state.responses_store = ResponseStore(max_bytes=config_of(request).responses_store_bytes)
     return state.responses_store
+
+
+def scope_of(request: Request) -> str:
+    """Whose responses a request may see: its API key's id ("" when there are no keys)."""
+    return caller_key_id(request.scope) or ""
 
 
 def not_found(response_id: str, param: str | None = None) -> ApiError:
@@ -200,153 +202,13 @@ def not_found(response_id: str, param: str | None = None) -> ApiError:
     )
 
 
-def previous_conversation(store: ResponseStore, response_id: str | None) -> list[dict]:
+def previous_conversation(store: ResponseStore, scope: str, response_id: str | None) -> list[dict]:
     if response_id is None:
         return []
-    entry = store.get(response_id)
+    entry = store.get(scope, response_id)
     if entry is None:
         raise not_found(response_id, "previous_response_id")
-    return list(entry.conversation)
-
-
-# --- output items and stream events ---------------------------------------------------
-
-EVENT_PREFIX = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
-
-
-def new_text_item(kind: str) -> dict:
-    if kind == "message":
-        return {
-            "type": "message",
-            "id": new_item_id("msg"),
-            "status": "in_progress",
-            "role": "assistant",
-            "content": [],
-        }
-    return {
-        "type": "reasoning",
-        "id": new_item_id("rs"),
-        "status": "in_progress",
-        "summary": [],
-        "content": [],
-    }
-
-
-def empty_part(kind: str) -> dict:
-    if kind == "message":
-        return {"type": "output_text", "text": "", "annotations": []}
-    return {"type": "reasoning_text", "text": ""}
-
-
-class OutputAssembler:
-    """Builds output items from parsed deltas and returns the stream events that build
-    them (without sequence numbers). Text goes to the open reasoning or message item,
-    opening a new one when the kind changes; a function call arrives whole."""
-
-    def __init__(self) -> None:
-        self.items: list[dict] = []
-        self._open: dict | None = None  # the reasoning or message item receiving text
-
-    def feed(self, delta: ParsedDelta) -> list[dict]:
-        events = []
-        if delta.reasoning:
-            events += self._add_text("reasoning", delta.reasoning)
-        if delta.content:
-            events += self._add_text("message", delta.content)
-        for call in delta.tool_calls:
-            events += self._close("completed") + self._add_call(call)
-        return events
-
-    def finish(self, status: str) -> list[dict]:
-        """Close the open item: 'incomplete' when generation hit max_output_tokens."""
-        return self._close(status)
-
-    def _where(self, item: dict) -> dict:
-        return {"item_id": item["id"], "output_index": self.items.index(item)}
-
-    def _add_text(self, kind: str, text: str) -> list[dict]:
-        events = []
-        if self._open is None or self._open["type"] != kind:
-            events += self._close("completed") + self._open_item(kind)
-        item = self._open
-        item["content"][0]["text"] += text
-        delta = {"type": f"{EVENT_PREFIX[kind]}.delta", **self._where(item), "content_index": 0}
-        delta["delta"] = text
-        if kind == "message":
-            delta["logprobs"] = []
-        return [*events, delta]
-
-    def _open_item(self, kind: str) -> list[dict]:
-        item = new_text_item(kind)
-        self.items.append(item)
-        self._open = item
-        added = self._item_event("response.output_item.added", item)
-        part = empty_part(kind)
-        item["content"].append(part)
-        where = {**self._where(item), "content_index": 0}
-        return [added, {"type": "response.content_part.added", **where, "part": dict(part)}]
-
-    def _close(self, status: str) -> list[dict]:
-        item, self._open = self._open, None
-        if item is None:
-            return []
-        item["status"] = status
-        part = item["content"][0]
-        where = {**self._where(item), "content_index": 0}
-        done = {"type": f"{EVENT_PREFIX[item['type']]}.done", **where, "text": part["text"]}
-        if item["type"] == "message":
-            done["logprobs"] = []
-        part_done = {"type": "response.content_part.done", **where, "part": copy.deepcopy(part)}
-        return [done, part_done, self._item_event("response.output_item.done", item)]
-
-    def _add_call(self, call: ToolCall) -> list[dict]:
-        item = {
-            "type": "function_call",
-            "id": new_item_id("fc"),
-            "call_id": call.id,
-            "name": call.name,
-            "arguments": "",
-            "status": "in_progress",
-        }
-        self.items.append(item)
-        added = self._item_event("response.output_item.added", item)
-        where = self._where(item)
-        item.update(arguments=call.arguments, status="completed")
-        return [
-            added,
-            {"type": "response.function_call_arguments.delta", **where, "delta": call.arguments},
-            {
-                "type": "response.function_call_arguments.done",
-                **where,
-                "name": call.name,
-                "arguments": call.arguments,
-            },
-            self._item_event("response.output_item.done", item),
-        ]
-
-    def _item_event(self, kind: str, item: dict) -> dict:
-        return {"type": kind, "output_index": self.items.index(item), "item": copy.deepcopy(item)}
-
-
-def assistant_turn(items: list[dict]) -> dict:
-    """The model's output as the assistant message a follow-up renders (reasoning of
-    past turns is dropped, as chat templates do)."""
-    text = "".join(
-        part["text"] for item in items if item["type"] == "message" for part in item["content"]
-    )
-    calls = [
-        {
-            "id": item["call_id"],
-            "type": "function",
-            "function": {
-                "name": item["name"],
-                "arguments": ToolCall(item["name"], item["arguments"]).arguments_object(),
-            },
-        }
-        for item in items
-        if item["type"] == "function_call"
-    ]
-    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+    return entry.messages()
 
 
 def final_status(event: TokenEvent) -> str:
@@ -376,6 +238,7 @@ class ResponsesJob:
     conversation: list[dict]  # history and this input, without instructions
     tools: list | None  # chat-shaped, for the output parser
     starts_in_reasoning: bool
+    scope: str  # the caller's store scope
     created_at: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -395,7 +258,7 @@ def response_object(
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
         "model": job.model,
-        "output": copy.deepcopy(items),
+        "output": items,
         "parallel_tool_calls": True,
         "previous_response_id": body.previous_response_id,
         "store": body.store,
@@ -417,7 +280,8 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
     forced = openai_tool_choice(body.tool_choice)
     schema = responses_text_format(body.text.format if body.text else None)
     config, info = config_of(request), model_info_of(request)
-    conversation = previous_conversation(store_of(request), body.previous_response_id)
+    scope = scope_of(request)
+    conversation = previous_conversation(store_of(request), scope, body.previous_response_id)
     conversation += normalize_input(body.input)
     if not conversation:
         raise bad_request("input has no message to answer", "input")
@@ -440,13 +304,13 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
         schema, "text.format", forced, tools, markers, info, rendered.starts_in_reasoning
     )
     gen = replace(gen, constraint=constraint)
-    return ResponsesJob(gen, model, body, conversation, tools, rendered.starts_in_reasoning)
+    return ResponsesJob(gen, model, body, conversation, tools, rendered.starts_in_reasoning, scope)
 
 
 def remember(store: ResponseStore, job: ResponsesJob, items: list[dict], result: dict) -> None:
     if job.body.store:
         conversation = [*job.conversation, assistant_turn(items)]
-        store.put(job.gen.request_id, StoredResponse(conversation, result))
+        store.put(job.scope, job.gen.request_id, StoredResponse.of(conversation, result))
 
 
 def sse_event(payload: dict) -> str:
@@ -473,20 +337,34 @@ async def create_response(request: Request) -> Response:
     collected = await collect_unless_disconnected(request, stream)
     if collected is None:
         return Response(status_code=499)
-    last, status = collected[-1], final_status(collected[-1])
-    items = output_items(parser, collected, status)
-    result = response_object(job, status, items, last)
-    remember(store, job, items, result)
-    return JSONResponse(result)
+    return await off_the_loop(finished_response, job, parser, collected, store)
 
 
-def output_items(parser: OutputParser, events: list[TokenEvent], status: str) -> list[dict]:
-    """A finished generation's output items, built as the stream would build them."""
+def finished_response(
+    job: ResponsesJob, parser: OutputParser, events: list[TokenEvent], store: ResponseStore
+) -> PiecewiseJSONResponse:
+    """A finished generation's response, its items built as the stream would build them,
+    stored, and serialized (all of which runs in a worker thread)."""
+    last, status = events[-1], final_status(events[-1])
     assembler = OutputAssembler()
     for event in events:
         assembler.feed(parser.step(event.text, event.final))
     assembler.finish(status)
-    return assembler.items
+    result = response_object(job, status, assembler.items, last)
+    remember(store, job, assembler.items, result)
+    return PiecewiseJSONResponse(result)
+
+
+def closing_events(
+    job: ResponsesJob, assembler: OutputAssembler, event: TokenEvent, store: ResponseStore
+) -> list[dict]:
+    """The events that end a stream: the open item closed and the final response, stored
+    before it is sent so a follow-up can name it at once."""
+    status = final_status(event)
+    payloads = assembler.finish(status)
+    result = response_object(job, status, assembler.items, event)
+    remember(store, job, assembler.items, result)
+    return [*payloads, {"type": f"response.{status}", "response": result}]
 
 
 async def response_events(
@@ -511,11 +389,7 @@ async def response_events(
         async for event in events:
             payloads = assembler.feed(parser.step(event.text, event.final))
             if event.final:
-                status = final_status(event)
-                payloads += assembler.finish(status)
-                result = response_object(job, status, assembler.items, event)
-                remember(store, job, assembler.items, result)
-                payloads.append({"type": f"response.{status}", "response": result})
+                payloads += await off_the_loop(closing_events, job, assembler, event, store)
             for line in framed(payloads, numbers):
                 yield line
     except (RequestFailed, RequestAborted) as exc:
@@ -525,16 +399,16 @@ async def response_events(
             yield line
 
 
-async def retrieve_response(request: Request) -> JSONResponse:
+async def retrieve_response(request: Request) -> Response:
     response_id = request.path_params["response_id"]
-    entry = store_of(request).get(response_id)
+    entry = store_of(request).get(scope_of(request), response_id)
     if entry is None:
         raise not_found(response_id)
-    return JSONResponse(entry.body)
+    return Response(entry.body, media_type="application/json")
 
 
 async def delete_response(request: Request) -> JSONResponse:
     response_id = request.path_params["response_id"]
-    if not store_of(request).delete(response_id):
+    if not store_of(request).delete(scope_of(request), response_id):
         raise not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})

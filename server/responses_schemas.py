@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag
 
-from server.schemas import FunctionSpec, SamplingFields
+from server.schemas import FunctionSpec, OpenAIMetadata, SamplingFields
 
 
 def _type_of(value: Any) -> Any:
@@ -150,4 +150,4 @@ class ResponsesRequest(SamplingFields):
     store: StrictBool = True
     background: StrictBool | None = None
     conversation: Any = None
-    metadata: dict[str, StrictStr] | None = None
+    metadata: OpenAIMetadata | None = None

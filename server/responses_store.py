@@ -1,47 +1,87 @@
-"""Recent Responses API responses, for `previous_response_id` and GET/DELETE."""
+"""Recent Responses API responses, for `previous_response_id` and GET/DELETE.
+
+Each entry is kept as compact JSON bytes (what GET returns, and the conversation a
+follow-up renders), so the store can count exactly what it holds and bound it by bytes
+as well as by entries. Entries belong to the API key that made them (its `key_id`; one
+shared scope when the server has no keys): another key cannot see, continue or delete
+them.
+"""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
 DEFAULT_STORE_SIZE = 256
+DEFAULT_STORE_BYTES = 32 << 20
 
 
-@dataclass
+def compact_json(value: object) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+@dataclass(frozen=True)
 class StoredResponse:
-    conversation: list[dict]  # every turn so far, the model's output included; no instructions
-    body: dict  # the response object, for GET
+    conversation: bytes  # JSON: every turn so far, the model's output included; no instructions
+    body: bytes  # JSON: the response object, as GET returns it
+
+    @classmethod
+    def of(cls, conversation: list[dict], body: dict) -> StoredResponse:
+        return cls(compact_json(conversation), compact_json(body))
+
+    @property
+    def size(self) -> int:
+        return len(self.conversation) + len(self.body)
+
+    def messages(self) -> list[dict]:
+        return json.loads(self.conversation)
 
 
 class ResponseStore:
-    """Recent responses by id, for previous_response_id and GET: an LRU of `capacity`
-    entries, so memory stays bounded however many responses a server answers. Requests
+    """Recent responses by (scope, id): an LRU of at most `capacity` entries and
+    `max_bytes` bytes, so memory stays bounded however many (and however large)
+    responses a server answers. An entry larger than `max_bytes` is not kept. Requests
     read it while their prompt is built in a worker thread, hence the lock."""
 
-    def __init__(self, capacity: int = DEFAULT_STORE_SIZE) -> None:
+    def __init__(
+        self, capacity: int = DEFAULT_STORE_SIZE, max_bytes: int = DEFAULT_STORE_BYTES
+    ) -> None:
         self.capacity = capacity
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, scope: str, response_id: str) -> StoredResponse | None:
         with self._lock:
-            entry = self._entries.get(response_id)
+            entry = self._entries.get((scope, response_id))
             if entry is not None:
-                self._entries.move_to_end(response_id)
+                self._entries.move_to_end((scope, response_id))
             return entry
 
-    def put(self, response_id: str, entry: StoredResponse) -> None:
+    def put(self, scope: str, response_id: str, entry: StoredResponse) -> bool:
+        """Keep `entry`, evicting the least recently used; False if it alone is too big."""
+        if entry.size > self.max_bytes:
+            return False
         with self._lock:
-            self._entries[response_id] = entry
-            self._entries.move_to_end(response_id)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+            self._pop((scope, response_id))
+            self._entries[(scope, response_id)] = entry
+            self.bytes += entry.size
+            while len(self._entries) > self.capacity or self.bytes > self.max_bytes:
+                self._pop(next(iter(self._entries)))
+            return True
 
-    def delete(self, response_id: str) -> bool:
+    def delete(self, scope: str, response_id: str) -> bool:
         with self._lock:
-            return self._entries.pop(response_id, None) is not None
+            return self._pop((scope, response_id)) is not None
+
+    def _pop(self, key: tuple[str, str]) -> StoredResponse | None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry.size
+        return entry

@@ -13,6 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 TokenId = Annotated[int, Field(strict=True, ge=0)]
 
+# OpenAI's limits on `metadata`: it is stored with a response, so its size is bounded.
+MetadataKey = Annotated[StrictStr, Field(max_length=64)]
+MetadataValue = Annotated[StrictStr, Field(max_length=512)]
+OpenAIMetadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -99,3 +104,4 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
+    metadata: OpenAIMetadata | None = None  # validated like OpenAI's, then unused

@@ -495,11 +495,26 @@ def test_function_calls_join_the_assistant_turn_they_follow():
 def test_store_evicts_the_least_recently_used():
     store = ResponseStore(capacity=2)
     for name in ("a", "b"):
-        store.put(name, StoredResponse([], {"id": name}))
-    assert store.get("a") is not None  # "a" is now the most recent
-    store.put("c", StoredResponse([], {"id": "c"}))
-    assert store.get("b") is None and len(store) == 2
-    assert store.get("a") is not None and store.get("c") is not None
+        store.put("", name, StoredResponse.of([], {"id": name}))
+    assert store.get("", "a") is not None  # "a" is now the most recent
+    store.put("", "c", StoredResponse.of([], {"id": "c"}))
+    assert store.get("", "b") is None and len(store) == 2
+    assert store.get("", "a") is not None and store.get("", "c") is not None
+
+
+def test_store_counts_bytes_and_keeps_scopes_apart():
+    entry = StoredResponse.of([{"role": "user", "content": "hi"}], {"id": "a"})
+    store = ResponseStore(max_bytes=2 * entry.size)
+    assert store.put("k1", "a", entry) and store.bytes == entry.size
+    assert store.get("k2", "a") is None and not store.delete("k2", "a")
+    store.put("k1", "a", entry)  # replacing an entry does not count it twice
+    assert store.bytes == entry.size
+    store.put("k1", "b", entry)
+    store.put("k1", "c", entry)
+    assert store.get("k1", "a") is None and store.bytes == 2 * entry.size
+    too_big = StoredResponse.of([], {"id": "x" * 3 * entry.size})
+    assert not store.put("k1", "x", too_big) and store.get("k1", "x") is None
+    assert store.delete("k1", "b") and store.bytes == entry.size
 
 
 # --- errors --------------------------------------------------------------------------

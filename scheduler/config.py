@@ -18,6 +18,13 @@ class SchedulerConfig:
     enable_pld: bool = True
     max_queue: int = 256  # requests waiting beyond the running ones; more get QueueFull
     max_num_seqs: int = 16  # requests decoding at once (the batch size bound)
+    # Running + queued requests one API key may hold; 0 = max_num_seqs + max_queue // 2,
+    # so another key always finds a queue place. Keyless servers (one caller) have none.
+    max_per_key: int = 0
+    # Backpressure: a stream with more undelivered events than this is paused (its
+    # sequence leaves the engine, KV cache kept) until its client reads; 0 = never.
+    max_unread_events: int = 256
+    unread_timeout: float = 30.0  # seconds paused before the request is cancelled
     batch_threshold: int = 2  # active requests at which the batched engine takes over
     batch_return_steps: int = 4  # steps below the threshold before going back
     # Seconds a newcomer may wait for the running request to finish speculatively,
@@ -33,3 +40,7 @@ class SchedulerConfig:
     prefill_step_size: int = 2048
     cost_model: CostModel | None = None  # None: measure verify costs at startup
     throughput_model: ThroughputModel | None = None  # None: measure decode rates online
+
+    @property
+    def per_key_limit(self) -> int:
+        return self.max_per_key or max(1, self.max_num_seqs + self.max_queue // 2)

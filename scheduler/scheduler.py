@@ -38,6 +38,7 @@ from engines.rollback import supports_rollback
 from engines.sequence import FinishReason, Sequence, StepOutput, make_sequence
 from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
 from engines.telemetry import SpecStats
+from scheduler.admission import Backpressure, FairQueue, KeyCounts
 from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
 from scheduler.observer import NullObserver, RequestRecord, SchedulerObserver, log_request
@@ -86,6 +87,17 @@ class _Tracked:
     cached_tokens: int = 0
     modes: list[str] = field(default_factory=list)
     prompt_logprobs: list | None = None  # scored prompt, until the first event carries it
+    delivered: int = 0  # events handed to the stream
+    paused_at: float | None = None  # out of the engine: its client stopped reading
+    parked: SequenceState | None = None  # the paused sequence, KV cache and all
+
+    @property
+    def unread(self) -> int:
+        return self.delivered - self.stream.consumed
+
+
+def _key_of(tracked: _Tracked) -> str:
+    return tracked.request.cache_scope
 
 
 @dataclass
@@ -113,8 +125,11 @@ class Scheduler:
         self._outstanding = 0  # submitted and not yet finished; touched on the loop only
         # Engine-thread state:
         self._outbox: list[tuple[_Tracked, TokenEvent]] = []  # this step's events
-        self._waiting: deque[_Tracked] = deque()
+        self._waiting: FairQueue[_Tracked] = FairQueue(_key_of)
         self._running: dict[str, _Tracked] = {}
+        self._paused: dict[str, _Tracked] = {}  # out of the engine until their clients read
+        self._backpressure = Backpressure(config.max_unread_events, config.unread_timeout)
+        self._per_key = KeyCounts(config.per_key_limit)  # touched on the loop only
         self._scoring = ScoringQueue()  # running requests whose prompts are being scored
         self._spec: SpeculativeEngine | None = None
         self._batched: BatchedSpeculativeEngine | BatchedEngine | None = None
@@ -158,7 +173,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._paused)
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Admit a request and return its event stream (call on the event loop)."""
@@ -170,10 +185,16 @@ class Scheduler:
         self._validate(request)
         if self._outstanding >= self.config.max_queue + self.config.max_num_seqs:
             raise QueueFull(f"{self._outstanding} requests in flight; retry shortly")
+        if self._per_key.full(request.cache_scope):
+            raise QueueFull(
+                f"this API key has {self._per_key.limit} requests in flight, the most one "
+                "key may hold; retry shortly"
+            )
         loop = asyncio.get_running_loop()
         stream = RequestStream(request.request_id, self.cancel)
         tracked = _Tracked(request, stream, loop, arrived=time.monotonic())
         self._outstanding += 1
+        self._per_key.add(request.cache_scope)
         self._send(_Command("submit", request.request_id, tracked))
         return stream
 
@@ -218,6 +239,7 @@ class Scheduler:
     def _deliver(self, tracked: _Tracked, event: TokenEvent) -> None:
         """Queue an event; `_flush` hands a whole step's events to each event loop in
         one call, so a batch of B streams wakes the loop once per step, not B times."""
+        tracked.delivered += 1
         self._outbox.append((tracked, event))
 
     def _flush(self) -> None:
@@ -235,6 +257,7 @@ class Scheduler:
         for tracked, event in events:
             if event.final:
                 self._outstanding -= 1
+                self._per_key.remove(tracked.request.cache_scope)
             tracked.stream.put(event)
 
     # ---- engine thread ------------------------------------------------------------
@@ -368,6 +391,9 @@ class Scheduler:
     def _wait_for_work(self) -> list[_Command] | None:
         with self._wakeup:
             while not self._inbox and not self._has_work() and not self._stopping:
+                if self._paused:  # look again soon: their clients may read or time out
+                    self._wakeup.wait(0.05)
+                    break
                 self._wakeup.wait()
             if self._stopping:
                 return None
@@ -387,6 +413,47 @@ class Scheduler:
             elif command.kind == "abort_all":
                 self._abort_all(command.reason)
         self._expire_timeouts()
+        self._apply_backpressure()
+
+    def _apply_backpressure(self) -> None:
+        """Pause running streams whose clients stopped reading (the sequence leaves the
+        engine with its KV cache, freeing the slot), resume them once read, and cancel
+        those paused past `unread_timeout`. Only models whose caches roll back pause."""
+        policy = self._backpressure
+        if not policy.enabled or not self.speculation_supported or self._spec is None:
+            return
+        now = time.monotonic()
+        engine = self._engine()
+        in_engine = set(engine.active_ids) if engine is not None else set()
+        unread = [(rid, t.unread) for rid, t in self._running.items() if rid in in_engine]
+        for request_id in policy.to_pause(unread):
+            self._pause(self._running[request_id], engine, now)
+        for request_id, tracked in list(self._paused.items()):
+            if policy.can_resume(tracked.unread):
+                del self._paused[request_id]
+                self._waiting.appendleft(tracked)
+            elif policy.expired(tracked.paused_at, now):
+                del self._paused[request_id]
+                tracked.parked = None
+                self._finish(
+                    tracked,
+                    FinishReason.CANCELLED,
+                    error=f"the client stopped reading this stream for {policy.timeout:g}s",
+                    error_kind="aborted",
+                )
+
+    def _pause(self, tracked: _Tracked, engine, now: float) -> None:
+        request_id = tracked.request.request_id
+        if self._mode == Mode.SPECULATIVE:
+            state, outputs = engine.export()
+            for output in outputs:
+                self._publish(output)
+        else:
+            state = engine.extract(request_id)
+        if self._running.pop(request_id, None) is None:
+            return  # its last token, committed on the way out, finished it
+        tracked.parked, tracked.paused_at = state, now
+        self._paused[request_id] = tracked
 
     def _expire_timeouts(self) -> None:
         """Requests past --request-timeout end with a timeout error, freeing their slot."""
@@ -394,11 +461,13 @@ class Scheduler:
         if not limit:
             return
         now = time.monotonic()
-        for tracked in [*self._running.values(), *self._waiting]:
+        for tracked in [*self._running.values(), *self._waiting, *self._paused.values()]:
             if now - tracked.arrived > limit:
                 request_id = tracked.request.request_id
                 if self._running.pop(request_id, None) is not None:
                     self._engine().cancel(request_id)
+                elif self._paused.pop(request_id, None) is not None:
+                    tracked.parked = None
                 else:
                     self._waiting.remove(tracked)
                 self._finish(
@@ -412,6 +481,9 @@ class Scheduler:
         tracked = self._running.pop(request_id, None)
         if tracked is not None:
             self._engine().cancel(request_id)
+        elif request_id in self._paused:
+            tracked = self._paused.pop(request_id)
+            tracked.parked = None
         else:
             tracked = next((t for t in self._waiting if t.request.request_id == request_id), None)
             if tracked is None:
@@ -458,6 +530,9 @@ class Scheduler:
 
     def _start(self, tracked: _Tracked, engine) -> None:
         """Start a request in `engine`, from the longest cached prefix of its prompt."""
+        if tracked.parked is not None:
+            self._resume(tracked, engine)
+            return
         tracked.admitted = time.monotonic()
         prompt = list(tracked.request.prompt_tokens)
         try:
@@ -490,6 +565,19 @@ class Scheduler:
             self._finish(tracked, FinishReason.ERROR, error=str(exc))
             return
         self._running[tracked.request.request_id] = tracked
+
+    def _resume(self, tracked: _Tracked, engine) -> None:
+        """A paused request goes back into the engine where it stopped."""
+        state, tracked.parked, tracked.paused_at = tracked.parked, None, None
+        try:
+            engine.admit(state)
+        except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
+            log.exception("request %s could not resume", tracked.request.request_id)
+            self._finish(tracked, FinishReason.ERROR, error=str(exc))
+            return
+        self._running[tracked.request.request_id] = tracked
+        if tracked.modes[-1:] != [self._mode.value]:
+            tracked.modes.append(self._mode.value)
 
     def _score_step(self) -> None:
         """One chunk of prompt scoring after the engine's step; requests whose prompts
@@ -722,8 +810,9 @@ class Scheduler:
         """End every request with an error event first, then free engine slots best
         effort: the engine may be the thing that broke, and no client may hang on it."""
         running, self._running = self._running, {}
-        waiting, self._waiting = self._waiting, deque()
-        for tracked in [*running.values(), *waiting]:
+        waiting, self._waiting = self._waiting, FairQueue(_key_of)
+        paused, self._paused = self._paused, {}
+        for tracked in [*running.values(), *waiting, *paused.values()]:
             self._finish(tracked, FinishReason.CANCELLED, error=reason, error_kind="aborted")
         engine = self._engine() if self._spec is not None else None
         for request_id in running if engine is not None else ():

@@ -50,10 +50,18 @@ class RequestStream:
         self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._cancel = cancel
         self._done = False
+        # Events taken by the reader; the engine thread compares it with the events it
+        # delivered to see a client that stopped reading (a stale read only delays that).
+        self.consumed = 0
 
     @property
     def done(self) -> bool:
         return self._done
+
+    @property
+    def buffered(self) -> int:
+        """Events delivered and not yet read."""
+        return self._queue.qsize()
 
     def put(self, event: TokenEvent) -> None:
         """Called on the event loop thread (via call_soon_threadsafe)."""
@@ -66,6 +74,7 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         event = await self._queue.get()
+        self.consumed += 1
         if event.final:
             self._done = True
         if event.error is not None or event.finish_reason == FinishReason.ERROR:

@@ -52,7 +52,7 @@ from server.http import (
     submit,
 )
 from server.output_parser import OutputParser, ParsedDelta, ToolCall
-from server.prompts import RenderedChat, encode_text, render_chat
+from server.prompts import RenderedChat, extend_chat, render_chat
 from server.structured import anthropic_output_format, output_constraint
 
 TEXT_JOIN = "\n"  # between consecutive text blocks of one turn, as vLLM joins text parts
@@ -202,9 +202,8 @@ def render_prompt(
     rendered = render_chat(tokenizer, messages, tools, think[0] if think else None)
     if not prefill:
         return rendered
-    text = rendered.text + prefill
     in_reasoning = reasoning_after_prefill(rendered.starts_in_reasoning, prefill, think)
-    return RenderedChat(encode_text(tokenizer, text), text, in_reasoning)
+    return extend_chat(tokenizer, rendered, prefill, in_reasoning)
 
 
 # --- Request -> engine terms (pure) -------------------------------------------------

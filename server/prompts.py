@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.errors import ApiError, bad_request
+from server.safe_encoding import Escaper, encode_marked
 from server.schemas import ChatMessage, TextPart
 
 
@@ -84,6 +85,18 @@ class RenderedChat:
     ids: list[int]
     text: str
     starts_in_reasoning: bool  # the template opened a <think> block for the reply
+    marked: str = ""  # `text` with the content's special strings as the escaper's markers
+    escaper: Escaper | None = None
+
+
+def extend_chat(
+    tokenizer: Any, rendered: RenderedChat, suffix: str, starts_in_reasoning: bool
+) -> RenderedChat:
+    """The rendered prompt with untrusted `suffix` (a reply prefill) appended as text."""
+    escaper = rendered.escaper or Escaper.for_tokenizer(tokenizer)
+    marked = (rendered.marked or rendered.text) + escaper.escape(suffix)
+    ids = encode_marked(tokenizer, marked, escaper)
+    return RenderedChat(ids, rendered.text + suffix, starts_in_reasoning, marked, escaper)
 
 
 def render_chat(
@@ -94,7 +107,9 @@ def render_chat(
     param: str = "messages",
 ) -> RenderedChat:
     """Render normalised messages ({"role", "content", "tool_calls"?, ...}, with tool
-    call arguments as objects) through the model's chat template and encode them."""
+    call arguments as objects) through the model's chat template and encode them.
+    Special-token strings inside any message or tool value are encoded as text, so
+    only the template's own markup becomes special ids (see `server.safe_encoding`)."""
     if not tokenizer.has_chat_template:
         raise ApiError(
             400,
@@ -103,11 +118,17 @@ def render_chat(
             param=param,
             code="no_chat_template",
         )
+    escaper = Escaper.for_tokenizer(tokenizer)
     try:
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+        marked = tokenizer.apply_chat_template(
+            escaper.escape(messages),
+            tools=escaper.escape(tools) or None,
+            add_generation_prompt=True,
+            tokenize=False,
         )
     except Exception as exc:  # noqa: BLE001 - templates raise arbitrary errors on bad input
         raise bad_request(f"the chat template rejected these messages: {exc}", param) from exc
+    text = escaper.unescape(marked)
     starts_in_reasoning = bool(think_start) and text.rstrip().endswith(think_start)
-    return RenderedChat(encode_text(tokenizer, text), text, starts_in_reasoning)
+    ids = encode_marked(tokenizer, marked, escaper)
+    return RenderedChat(ids, text, starts_in_reasoning, marked, escaper)

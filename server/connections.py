@@ -32,20 +32,27 @@ log = logging.getLogger(__name__)
 FILES_KEPT_FOR_THE_PROCESS = 128  # model files, logs, pipes: what sockets must leave free
 
 
+# asyncio accepts up to this many connections in one go, each holding a descriptor
+# before a full server can close it: uvicorn's default (2048) alone would fill the limit.
+ACCEPT_BACKLOG = 256
+
+
 @dataclass(frozen=True)
 class ConnectionLimits:
     header_timeout: float = 10.0
     body_timeout: float = 60.0
     keep_alive_timeout: int = 5
     max_connections: int = 1024
+    backlog: int = ACCEPT_BACKLOG
 
 
 def fitting_open_file_limit(wanted: int) -> int:
-    """`wanted`, lowered so sockets cannot use up the process's file descriptors."""
+    """`wanted`, lowered so sockets (held, and being accepted) cannot use up the
+    process's file descriptors."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return wanted
-    room = max(16, soft - FILES_KEPT_FOR_THE_PROCESS)
+    room = max(16, soft - FILES_KEPT_FOR_THE_PROCESS - ACCEPT_BACKLOG)
     if wanted > room:
         log.warning("--max-connections %d lowered to %d (open-file limit %d)", wanted, room, soft)
     return min(wanted, room)

@@ -218,6 +218,7 @@ def serve(args: argparse.Namespace) -> None:
         http=guarded_protocol(limits),
         ws="none",  # no WebSocket routes: upgrades are not accepted at all
         timeout_keep_alive=limits.keep_alive_timeout,
+        backlog=limits.backlog,
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         log_config=uvicorn_log_config(args.log_format),

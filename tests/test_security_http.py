@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import resource
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -337,6 +338,25 @@ def test_health_answers_fast_with_500_idle_sockets_held(keyless):
     finally:
         for sock in held:
             sock.close()
+
+
+def test_more_idle_sockets_than_file_descriptors_do_not_take_the_server_down(keyless):
+    """mlx-lm sets the open-file limit to 2048 (hard 4096) at import, in the server and
+    here: past it, accepting fails (EMFILE) and asyncio stops accepting for a second."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    held = []
+    try:
+        for _ in range(2200):
+            held.append(connect(keyless))
+        started = time.monotonic()
+        response = httpx.get(f"{keyless.url}/health", timeout=10)
+        assert response.status_code == 200 and time.monotonic() - started < 1
+        assert "Too many open files" not in keyless.log()
+    finally:
+        for sock in held:
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_cli_server_without_keys_checks_host_and_content_type(keyless):

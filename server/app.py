@@ -13,8 +13,9 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.routing import Match, Route
+from starlette.types import Receive, Scope, Send
 
 from engines.blas import describe_blas
 from engines.errors import TandemError
@@ -25,8 +26,9 @@ from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.config import ServerConfig
 from server.errors import ApiError, error_response_for, from_tandem_error
+from server.hosts import ANY_HOST, HostCheck
 from server.http import model_info_of
-from server.limits import BodySizeLimit, RateLimit
+from server.limits import BodyReadTimeout, BodySizeLimit, RateLimit
 from server.metrics import Metrics
 from server.responses import create_response, delete_response, retrieve_response
 
@@ -60,7 +62,7 @@ async def list_models(request: Request) -> JSONResponse:
                     "object": "model",
                     "created": request.app.state.started,
                     "owned_by": "tandem",
-                    "root": config.scheduler.model,
+                    "root": config.served_model_name,  # never a path on this disk
                     "max_model_len": info.context_length,
                 }
             ],
@@ -110,8 +112,11 @@ async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def build_middleware(config: ServerConfig, metrics: Metrics) -> list[Middleware]:
-    """Outermost first: CORS, body size, API key, rate limit."""
+    """Outermost first: Host check (keyless servers by default), CORS, body size and read time,
+    API key, rate limit."""
     middleware = []
+    if ANY_HOST not in config.allowed_hosts:
+        middleware.append(Middleware(HostCheck, allowed=config.allowed_hosts))
     if config.allowed_origins:
         middleware.append(
             Middleware(
@@ -126,6 +131,13 @@ def build_middleware(config: ServerConfig, metrics: Metrics) -> list[Middleware]
             BodySizeLimit,
             max_bytes=config.max_body_bytes,
             on_refused=lambda: metrics.count_error("request_too_large"),
+        )
+    )
+    middleware.append(
+        Middleware(
+            BodyReadTimeout,
+            timeout=config.body_timeout,
+            on_refused=lambda: metrics.count_error("request_timeout"),
         )
     )
     middleware.append(
@@ -145,6 +157,26 @@ def build_middleware(config: ServerConfig, metrics: Metrics) -> list[Middleware]
             )
         )
     return middleware
+
+
+def slash_redirect_or_404(routes: list[Route]):
+    """The router's fallback: a path that matches a route once its trailing slash is
+    added or removed is redirected there with a relative Location (Starlette's own
+    redirect builds an absolute URL from the Host header, which the client chose)."""
+
+    async def fallback(scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
+        if scope["type"] == "http" and path not in ("", "/"):
+            other = "/" + (path.rstrip("/") if path.endswith("/") else path + "/").lstrip("/")
+            moved = {**scope, "path": other}
+            if any(route.matches(moved)[0] != Match.NONE for route in routes):
+                query = scope.get("query_string", b"").decode("latin-1")
+                location = other + (f"?{query}" if query else "")
+                await RedirectResponse(location)(scope, receive, send)
+                return
+        raise HTTPException(404, "Not Found")
+
+    return fallback
 
 
 def create_app(config: ServerConfig, scheduler: Scheduler | None = None) -> Starlette:
@@ -188,6 +220,8 @@ def create_app(config: ServerConfig, scheduler: Scheduler | None = None) -> Star
         },
         lifespan=lifespan,
     )
+    app.router.redirect_slashes = False
+    app.router.default = slash_redirect_or_404(routes)
     app.state.config = config
     app.state.scheduler = scheduler
     app.state.metrics = metrics

@@ -1,7 +1,10 @@
 """API-key check as a small ASGI middleware (streaming-safe, unlike BaseHTTPMiddleware).
 
 Keys arrive as `Authorization: Bearer KEY` (OpenAI) or `x-api-key: KEY` (Anthropic)
-and are compared in constant time. `/health` stays open for supervisors.
+and are compared in constant time. `/health` stays open for supervisors. A client
+address that keeps presenting wrong keys is refused with 429 for a while (whatever it
+presents then), so keys cannot be guessed at network speed. Scopes other than HTTP
+(WebSocket) are refused when keys are set: a future route is not open by default.
 
 An accepted key leaves its id (`key_id`: a keyed hash, never the key) in the request
 scope; what must not cross between users (prefix-cache reuse, rate-limit buckets)
@@ -11,16 +14,51 @@ is keyed by it.
 from __future__ import annotations
 
 import hmac
+import logging
 import secrets
+import time
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from server.buckets import TokenBuckets
 from server.errors import ApiError, error_response_for
+
+log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health"})
 _ID_SALT = secrets.token_bytes(16)  # per process: ids cannot be matched across restarts
 _KEY_ID = "tandem.key_id"  # where the accepted key's id lives in scope["state"]
+
+
+SHORT_KEY = 16  # below this a key is guessable enough to warn about
+
+
+def key_problem(key: str) -> str | None:
+    """Why `key` cannot be used, or None. Headers carry ASCII only, so a key with other
+    characters could never match; a one-character key is no protection."""
+    if not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
+        return "must be printable ASCII without spaces"
+    if len(key) < 2:
+        return "is one character long"
+    return None
+
+
+def check_keys(keys: tuple[str, ...], source: str = "API key") -> None:
+    """Refuse unusable keys (SystemExit with the reason), warn about short ones.
+    Keys are named by position, never printed."""
+    for number, key in enumerate(keys, 1):
+        problem = key_problem(key)
+        if problem:
+            raise SystemExit(f"tandem serve: {source} #{number} {problem}")
+        if len(key) < SHORT_KEY:
+            log.warning(
+                "%s #%d is %d characters long; use at least %d (openssl rand -hex 32)",
+                source,
+                number,
+                len(key),
+                SHORT_KEY,
+            )
 
 
 def presented_key(headers: dict[bytes, bytes]) -> str | None:
@@ -53,6 +91,9 @@ class ApiKeyMiddleware:
     """`/metrics` accepts the metrics keys when given (so a Prometheus scraper needs
     no API key), otherwise the API keys like every other route."""
 
+    FAILURES_BURST = 10  # wrong keys an address may present at once ...
+    FAILURES_PER_MINUTE = 10  # ... and then this many a minute
+
     def __init__(
         self,
         app: ASGIApp,
@@ -64,6 +105,7 @@ class ApiKeyMiddleware:
         self.keys = keys
         self.metrics_keys = metrics_keys
         self.on_denied = on_denied or (lambda: None)
+        self.failures = TokenBuckets(self.FAILURES_PER_MINUTE, burst=self.FAILURES_BURST)
 
     def keys_for(self, path: str) -> tuple[str, ...]:
         if path in OPEN_PATHS:
@@ -73,21 +115,48 @@ class ApiKeyMiddleware:
         return self.keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        keys = self.keys_for(scope["path"]) if scope["type"] == "http" else ()
+        if scope["type"] == "lifespan" or not self.keys:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":  # no other kind is served: refuse, do not pass it on
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})  # policy violation
+            return
+        keys = self.keys_for(scope["path"])
         if not keys:
             await self.app(scope, receive, send)
+            return
+        address = (scope.get("client") or ("?", 0))[0]
+        now = time.monotonic()
+        wait = self.failures.wait(address, now)
+        if wait:
+            await error_response_for(scope["path"], too_many_failures(wait))(scope, receive, send)
             return
         presented = presented_key(dict(scope["headers"]))
         if key_is_valid(presented, keys):
             scope.setdefault("state", {})[_KEY_ID] = key_id(presented)
             await self.app(scope, receive, send)
             return
+        self.failures.take(address, now)
         self.on_denied()
-        error = ApiError(
-            401,
-            "missing or invalid API key",
-            "authentication_error",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-        await error_response_for(scope["path"], error)(scope, receive, send)
+        await error_response_for(scope["path"], invalid_key())(scope, receive, send)
+
+
+def invalid_key() -> ApiError:
+    return ApiError(
+        401,
+        "missing or invalid API key",
+        "authentication_error",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def too_many_failures(wait: float) -> ApiError:
+    return ApiError(
+        429,
+        "too many invalid API keys from this address; try again later",
+        "rate_limit_error",
+        code="too_many_invalid_keys",
+        headers={"Retry-After": str(max(1, round(wait)))},
+    )

@@ -45,10 +45,42 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="allow binding a non-loopback address without an API key",
     )
     parser.add_argument(
+        "--allowed-hosts",
+        default="",
+        help="comma-separated Host names a server without API keys answers, besides "
+        "localhost and IP addresses (421 otherwise; '.example.com' includes subdomains, "
+        "'*' any); with keys, any Host unless this is given",
+    )
+    parser.add_argument(
         "--allowed-origins", default="", help="comma-separated CORS origins (default: CORS off)"
     )
     parser.add_argument(
         "--max-body-bytes", type=int, default=4 << 20, help="largest request body (413 above)"
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a client has to send a request's headers (connection closed after)",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a client has to send a request's body (408 after)",
+    )
+    parser.add_argument(
+        "--keep-alive-timeout",
+        type=int,
+        default=5,
+        help="seconds an idle keep-alive connection stays open between requests",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="open connections at most; a new one evicts the longest idle (lowered to fit "
+        "the open-file limit)",
     )
     parser.add_argument(
         "--rate-limit",

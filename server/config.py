@@ -20,6 +20,10 @@ class ServerConfig:
     metrics_api_keys: tuple[str, ...] = ()  # keys that may read /metrics (besides API keys)
     allowed_origins: tuple[str, ...] = ()  # CORS; empty = off
     max_body_bytes: int = 4 << 20
+    body_timeout: float = 60.0  # seconds for a request body to arrive once read (408)
+    # Host names a keyless server answers (besides loopback names and IP addresses);
+    # "*" = any. The CLI sets loopback-only for keyless servers.
+    allowed_hosts: tuple[str, ...] = ("*",)
     rate_limit_per_minute: float = 0.0  # per API key (or client address); 0 = off
     shutdown_timeout: float = 30.0
     tool_call_parser: str = "auto"  # auto (from the chat template), none, or an mlx-lm parser

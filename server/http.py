@@ -30,9 +30,23 @@ async def off_the_loop(build: Callable[..., Job], *args: object) -> Job:
     return await anyio.to_thread.run_sync(build, *args)
 
 
+def require_json(request: Request) -> None:
+    """415 unless the body is declared JSON. A web page can POST `text/plain` to any
+    address without asking (no CORS preflight); `application/json` it cannot."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(
+            415,
+            f"Content-Type must be application/json, not {media_type or 'missing'!r}",
+            "invalid_request_error",
+            code="unsupported_media_type",
+        )
+
+
 async def parse_body(request: Request, model: type[Body]) -> Body:
     """The request body as `model`. Decoding runs in a worker thread: a body at the
     4 MB limit takes ~30 ms to decode and validate, a pause for every other stream."""
+    require_json(request)
     raw = await request.body()
     return await off_the_loop(decode_body, raw, model)
 

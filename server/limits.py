@@ -1,19 +1,20 @@
-"""Request limits as small ASGI middlewares: body size (413) and per-caller rate (429).
+"""Request limits as small ASGI middlewares: body size (413), body read time (408) and
+per-caller rate (429).
 
-Both answer in OpenAI's error shape before the app parses anything, so a hostile
+All answer in OpenAI's error shape before the app parses anything, so a hostile
 client cannot make the server buffer a huge body or flood the queue.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
+import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.auth import caller_key_id
+from server.buckets import TokenBuckets
 from server.errors import ApiError, error_response_for
 
 
@@ -72,24 +73,13 @@ class BodySizeLimit:
         await error_response_for(scope["path"], error)(scope, receive, send)
 
 
-@dataclass
-class _Bucket:
-    tokens: float
-    updated: float
-
-
 class RateLimit:
     """Token bucket per caller: the API key it was accepted with (the key middleware
     runs first), or its client address when the server has no keys; a header nobody
     checked names no one. `per_minute` requests a minute on average, bursts up to
-    the same number.
-
-    Buckets are kept in least-recently-used order. One untouched for a minute is
-    full again, the same as a new one, so it is dropped; beyond `max_buckets`
-    callers the least recently seen are forgotten (they get a fresh burst)."""
+    the same number; memory stays bounded (see `TokenBuckets`)."""
 
     EXEMPT = frozenset({"/health", "/metrics"})
-    REFILL_S = 60.0  # an idle bucket is full again after this long
 
     def __init__(
         self,
@@ -101,30 +91,11 @@ class RateLimit:
         self.app = app
         self.per_minute = per_minute
         self.on_refused = on_refused
-        self.max_buckets = max_buckets
-        self.buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        self.buckets = TokenBuckets(per_minute, max_buckets=max_buckets)
 
     def allow(self, who: str, now: float) -> float:
         """0 if allowed (and charged), else seconds until a request would be."""
-        self._forget_idle(now)
-        bucket = self.buckets.pop(who, None) or _Bucket(self.per_minute, now)
-        self.buckets[who] = bucket  # most recently seen last
-        if len(self.buckets) > self.max_buckets:
-            self.buckets.popitem(last=False)
-        rate = self.per_minute / 60.0
-        bucket.tokens = min(self.per_minute, bucket.tokens + (now - bucket.updated) * rate)
-        bucket.updated = now
-        if bucket.tokens >= 1:
-            bucket.tokens -= 1
-            return 0.0
-        return (1 - bucket.tokens) / rate
-
-    def _forget_idle(self, now: float) -> None:
-        while self.buckets:
-            who, oldest = next(iter(self.buckets.items()))
-            if now - oldest.updated < self.REFILL_S:
-                return
-            del self.buckets[who]
+        return self.buckets.take(who, now)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.EXEMPT:
@@ -146,3 +117,42 @@ class RateLimit:
             headers={"Retry-After": str(max(1, round(wait)))},
         )
         await error_response_for(scope["path"], error)(scope, receive, send)
+
+
+class BodyReadTimeout:
+    """Refuse a body that has not fully arrived `timeout` seconds after the app asked
+    for it: 408, and the connection closes. Without it a client that sends a head and
+    then trickles (or never finishes) its body holds a request task for ever. Reads
+    after the body is complete (waiting for a disconnect) are not bounded."""
+
+    def __init__(self, app: ASGIApp, timeout: float, on_refused: Callable[[], None]) -> None:
+        self.app = app
+        self.timeout = timeout
+        self.on_refused = on_refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline: float | None = None
+        complete = False
+
+        async def timed_receive() -> Message:
+            nonlocal deadline, complete
+            if complete:
+                return await receive()
+            deadline = deadline or time.monotonic() + self.timeout
+            with anyio.move_on_after(deadline - time.monotonic()):
+                message = await receive()
+                complete = message["type"] != "http.request" or not message.get("more_body")
+                return message
+            self.on_refused()
+            raise ApiError(
+                408,
+                f"request body not received within {self.timeout:g} s",
+                "invalid_request_error",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            )
+
+        await self.app(scope, timed_receive, send)

@@ -26,7 +26,11 @@ import uvicorn
 from engines.gates import CostModel
 from scheduler import SchedulerState
 from scheduler.config import SchedulerConfig
+from server.auth import check_keys
 from server.config import ServerConfig
+from server.connections import ConnectionLimits, fitting_open_file_limit, guarded_protocol
+from server.hosts import ANY_HOST
+from server.log_throttle import RefusedRequestLogThrottle
 from server.logging_setup import uvicorn_log_config
 
 log = logging.getLogger("tandem")
@@ -35,10 +39,12 @@ DEMO_MODEL_NAME = "tandem-demo"
 
 
 def keys_from_file(path: str | None) -> list[str]:
+    """One key per line; blank lines and comment lines (`#`, indented or not) are not
+    keys."""
     if not path:
         return []
-    lines = Path(path).read_text().splitlines()
-    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    lines = (line.strip() for line in Path(path).read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 def load_api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -57,6 +63,22 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def allowed_hosts(args: argparse.Namespace, keyed: bool) -> tuple[str, ...]:
+    """Host names a keyless server answers besides loopback names and IP addresses;
+    a keyed server answers any unless --allowed-hosts narrows it."""
+    given = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
+    return given or ((ANY_HOST,) if keyed else ())
+
+
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        max_connections=fitting_open_file_limit(args.max_connections),
+    )
+
+
 def build_config(args: argparse.Namespace) -> ServerConfig:
     if args.demo:
         from engines.demo import build_tiny_model, default_demo_dir
@@ -69,6 +91,11 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     else:
         raise SystemExit("tandem serve: give a MODEL (path or hub id) or --demo")
     keys = load_api_keys(args)
+    metrics_keys = tuple(
+        k for k in [*args.metrics_api_key, *keys_from_file(args.metrics_api_key_file)] if k
+    )
+    check_keys(keys)
+    check_keys(metrics_keys, "metrics key")
     if not keys and not is_loopback(args.host) and not args.allow_unauthenticated:
         raise SystemExit(
             f"tandem serve: refusing to listen on {args.host} without an API key; anyone on "
@@ -99,11 +126,11 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         max_tokens=args.max_tokens,
         demo=args.demo,
         metrics=not args.no_metrics,
-        metrics_api_keys=tuple(
-            k for k in [*args.metrics_api_key, *keys_from_file(args.metrics_api_key_file)] if k
-        ),
+        metrics_api_keys=metrics_keys,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         max_body_bytes=args.max_body_bytes,
+        body_timeout=args.body_timeout,
+        allowed_hosts=allowed_hosts(args, keyed=bool(keys)),
         rate_limit_per_minute=args.rate_limit,
         shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
@@ -176,14 +203,27 @@ def serve(args: argparse.Namespace) -> None:
         config.port,
     )
     app = create_app(config)
+    limits = connection_limits(args)
+    log.info(
+        "connections: at most %d; request head within %gs, body within %gs, idle %ds",
+        limits.max_connections,
+        limits.header_timeout,
+        limits.body_timeout,
+        limits.keep_alive_timeout,
+    )
     uvicorn_config = uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
+        http=guarded_protocol(limits),
+        ws="none",  # no WebSocket routes: upgrades are not accepted at all
+        timeout_keep_alive=limits.keep_alive_timeout,
+        backlog=limits.backlog,
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         log_config=uvicorn_log_config(args.log_format),
     )
+    logging.getLogger("uvicorn.access").addFilter(RefusedRequestLogThrottle())
     server = DrainingServer(uvicorn_config, app.state.scheduler, config.shutdown_timeout)
     server.run()
     if server.load_error:

@@ -397,7 +397,9 @@ async def test_invalid_requests_get_400_in_anthropic_shape(client, payload, frag
 
 
 async def test_bad_json_and_unknown_model_in_anthropic_shape(client):
-    bad = await client.post("/v1/messages", content=b"{not json")
+    bad = await client.post(
+        "/v1/messages", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
         missing = await client.post(path, json={"model": "nope", "max_tokens": 8, "messages": HI})

@@ -350,14 +350,26 @@ def test_dockerfile_entrypoint_and_default_command(name):
     instructions = dockerfile(name)
     assert json.loads(only(instructions, "ENTRYPOINT")) == ["tandem", "serve"]
     cmd = json.loads(only(instructions, "CMD"))
-    assert cmd == ["--demo", "--host", "0.0.0.0", "--allow-unauthenticated"]
+    assert cmd == ["--demo", "--host", "0.0.0.0"]
     args = parse_serve_args(cmd)
-    assert args.demo and args.host == "0.0.0.0"
+    assert args.demo and args.host == "0.0.0.0" and not args.allow_unauthenticated
     assert only(instructions, "EXPOSE") == str(args.port) == "8000"
     user = only(instructions, "USER")
     assert user not in {"root", "0"}
     keywords = [kw for kw, _ in instructions]
     assert keywords.index("USER") < keywords.index("ENTRYPOINT")
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda"])
+def test_dockerfile_default_command_needs_a_key(name, monkeypatch):
+    """Published on a LAN by mistake, the image must not serve anyone who asks."""
+    from server.serve import load_api_keys
+
+    args = parse_serve_args(json.loads(only(dockerfile(name), "CMD")))
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    assert not load_api_keys(args) and not args.allow_unauthenticated
+    monkeypatch.setenv("TANDEM_API_KEY", "a-key-from-the-environment")
+    assert load_api_keys(args) == ("a-key-from-the-environment",)
 
 
 @pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda"])

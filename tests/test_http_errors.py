@@ -9,6 +9,7 @@ from tests.conftest import MODEL_NAME, make_client, start_scheduler
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
+JSON = {"content-type": "application/json"}  # raw bodies below are declared JSON, like clients'
 
 BAD_REQUESTS = [
     (COMPLETIONS, b'{"prompt": "hi", ', 400, None),
@@ -64,7 +65,7 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize(("path", "payload", "status", "param"), BAD_REQUESTS)
 async def test_bad_input_gets_openai_shaped_4xx(client, path, payload, status, param):
     if isinstance(payload, bytes):
-        response = await client.post(path, content=payload)
+        response = await client.post(path, content=payload, headers=JSON)
     else:
         response = await client.post(path, json=payload)
     assert response.status_code == status, response.text
@@ -148,7 +149,7 @@ async def test_integer_too_long_to_parse_is_a_400_in_the_surface_shape(client, p
     """Python refuses to parse integers of more than 4300 digits (a ValueError that is
     not a JSONDecodeError); that is the client's input, not a server error."""
     body = b'{"prompt": "hi", "messages": [], "input": "hi", "max_tokens": 1' + b"0" * 5000 + b"}"
-    response = await client.post(path, content=body)
+    response = await client.post(path, content=body, headers=JSON)
     assert response.status_code == 400, response.text
     if shape == "anthropic":
         error = response.json()

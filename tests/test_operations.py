@@ -165,6 +165,7 @@ HOSTILE = [
     ("deep nesting", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),
     ("invalid utf-8", b'{"prompt": "\xff\xfe\xfa"}', 400),
     ("not json", b"prompt=hi", 400),
+    ("form-encoded, declared json", b"prompt=hi&max_tokens=1", 400),
     ("empty body", b"", 400),
     ("null", b"null", 400),
     ("nan", b'{"prompt": "hi", "temperature": NaN}', 400),
@@ -174,7 +175,7 @@ HOSTILE = [
 
 @pytest.mark.parametrize(("name", "body", "status"), HOSTILE, ids=[h[0] for h in HOSTILE])
 def test_hostile_input_gets_4xx_and_server_survives(limited, name, body, status):
-    headers = {**AUTH, "content-type": "application/x-www-form-urlencoded"}
+    headers = {**AUTH, "content-type": "application/json"}
     response = httpx.post(
         f"{limited.url}/v1/chat/completions", content=body, headers=headers, timeout=30
     )

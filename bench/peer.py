@@ -56,21 +56,6 @@ def add_peer_arguments(parser: argparse.ArgumentParser, default: str) -> None:
     )
 
 
-def served_model_path(base_url: str, model: str | None, api_key: str | None) -> str:
-    """The `root` (model path or hub id) that `GET /v1/models` gives for the measured
-    model, as Tandem and vLLM report it."""
-    auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        response = httpx.get(f"{base_url}/v1/models", headers=auth, timeout=10, trust_env=False)
-        models = response.json()["data"]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        models = []
-    wanted = [entry for entry in models if model in (None, entry.get("id"))]
-    if not wanted or not wanted[0].get("root"):
-        raise SystemExit("the server's /v1/models names no model path (root): pass --peer-model")
-    return wanted[0]["root"]
-
-
 @dataclass(frozen=True)
 class PeerConfig:
     """One way of running the peer: a row name and its extra `mlx_lm server` flags."""
@@ -160,9 +145,7 @@ def run_with_peers(settings: Any, run: Callable[[Any], dict[str, Any]]) -> dict[
     each peer configuration started afresh (one server at a time), and the server's
     rows compared with the best peer row at each level. `settings` is `bench.serve`'s
     Settings; the peer's model is resolved before any load."""
-    model = settings.peer_model or served_model_path(
-        settings.base_url, settings.model, settings.api_key
-    )
+    model = settings.peer_model
     result = run(settings)
     as_peer = replace(settings, model=PEER_MODEL_ID, peer="none", output=None, plot=None)
 

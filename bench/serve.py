@@ -189,7 +189,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     add_peer_arguments(parser, default="none")
     parser.add_argument(
-        "--peer-model", help="the peer's model path (default: the served model's /v1/models root)"
+        "--peer-model", help="the peer's model path (needed with --peer: /v1/models names no paths)"
     )
     parser.add_argument(
         "--peer-draft-model", help="also run the peer with this draft (--draft-model)"
@@ -212,6 +212,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise SystemExit("--request-rate must be > 0")
     if args.peer == "none" and (args.peer_model or args.peer_draft_model):
         raise SystemExit("--peer-model and --peer-draft-model need --peer mlx_lm")
+    if args.peer != "none" and not args.peer_model:
+        raise SystemExit("--peer mlx_lm needs --peer-model PATH (the model the server serves)")
     return Settings(
         base_url=base_url,
         model=args.model,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.errors import DraftIncompatible
+from engines.gguf_import import import_gguf, is_gguf
 
 log = logging.getLogger(__name__)
 
@@ -41,20 +42,24 @@ class LoadedModel:
         return int(size) if size else len(self.tokenizer)
 
 
-def load_model(path: str) -> LoadedModel:
-    """Load through `mlx_lm.load`, exactly as users of mlx-lm would; a local path
-    that is no model directory is refused first, with a message a person can act on."""
+def load_model(path: str, gguf_dtype: str | None = None) -> LoadedModel:
+    """Load through `mlx_lm.load`, exactly as users of mlx-lm would; a GGUF file is
+    imported into a cached mlx-lm folder first (`gguf_import`); a local path that is
+    neither is refused with a message a person can act on."""
     from mlx_lm import load
 
     local = Path(path).expanduser()
+    folder = path
     if local.is_file():
-        raise ValueError(
-            f"{path} is a file; give an mlx-lm model directory (config.json and "
-            "*.safetensors, e.g. from mlx_lm.convert); GGUF files are not supported"
-        )
-    if path.startswith(("/", "./", "../", "~")) and not local.exists():
+        if not is_gguf(local):
+            raise ValueError(
+                f"{path} is a file but not GGUF; give an mlx-lm model directory "
+                "(config.json and *.safetensors, e.g. from mlx_lm.convert) or a .gguf file"
+            )
+        folder = str(import_gguf(local, dtype=gguf_dtype))
+    elif path.startswith(("/", "./", "../", "~")) and not local.exists():
         raise FileNotFoundError(f"no model directory at {path}")
-    model, tokenizer, config = load(path, return_config=True)
+    model, tokenizer, config = load(folder, return_config=True)
     return LoadedModel(path=path, model=model, tokenizer=tokenizer, config=config)
 
 
@@ -115,9 +120,11 @@ class ModelRegistry:
         self.tokens_processed = 0  # token positions fed to the target by all engines
 
     @classmethod
-    def load(cls, target_path: str, draft_path: str | None = None) -> ModelRegistry:
-        target = load_model(target_path)
-        draft = load_model(draft_path) if draft_path else None
+    def load(
+        cls, target_path: str, draft_path: str | None = None, gguf_dtype: str | None = None
+    ) -> ModelRegistry:
+        target = load_model(target_path, gguf_dtype)
+        draft = load_model(draft_path, gguf_dtype) if draft_path else None
         return cls(target, draft)
 
     @property

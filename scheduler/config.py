@@ -14,6 +14,7 @@ from scheduler.throughput import ThroughputModel
 class SchedulerConfig:
     model: str
     draft_model: str | None = None
+    gguf_dtype: str | None = None  # GGUF files import as this (None: float32 on CPU, else f16)
     num_draft_tokens: int = 4
     enable_pld: bool = True
     max_queue: int = 256  # requests waiting beyond the running ones; more get QueueFull

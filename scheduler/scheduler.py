@@ -328,7 +328,7 @@ class Scheduler:
     def _load(self) -> None:
         config = self.config
         log.info("loading model %s", config.model)
-        registry = ModelRegistry.load(config.model, config.draft_model)
+        registry = ModelRegistry.load(config.model, config.draft_model, config.gguf_dtype)
         self.registry = registry
         self.speculation_supported = supports_rollback(registry.target.model) and (
             registry.draft is None or supports_rollback(registry.draft.model)

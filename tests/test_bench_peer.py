@@ -110,9 +110,11 @@ def test_peer_gets_the_fast_blas_tandem_would_preload(monkeypatch):
     assert peer_env()["LD_PRELOAD"] == "/x/libfoo.so"
 
 
-def test_peer_options_need_a_peer():
+def test_peer_options_need_a_peer_and_a_peer_needs_its_model():
     with pytest.raises(SystemExit, match="need --peer"):
         serve.settings_from_args(serve.parse_args(["--peer-model", "/m"]))
+    with pytest.raises(SystemExit, match="needs --peer-model"):
+        serve.settings_from_args(serve.parse_args(["--peer", "mlx_lm"]))
 
 
 # --- a real mlx_lm.server next to a real tandem serve ----------------------------------
@@ -141,8 +143,7 @@ def prompts_without_eos(reference, count: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def peer_run(tiny_model_dir, tiny_draft_dir, reference, tmp_path_factory) -> tuple[dict, Path]:
-    """`tandem bench serve --peer mlx_lm --peer-draft-model D` at c=1,2; the peer's
-    model comes from tandem's /v1/models root."""
+    """`tandem bench serve --peer mlx_lm --peer-model M --peer-draft-model D` at c=1,2."""
     out = tmp_path_factory.mktemp("peer")
     output, plot = out / "tandem.json", out / "tandem.png"
     dataset = out / "prompts.jsonl"
@@ -154,6 +155,7 @@ def peer_run(tiny_model_dir, tiny_draft_dir, reference, tmp_path_factory) -> tup
             ["--base-url", server.url, "--concurrency", "1,2", "--num-prompts", str(PROMPTS)]
             + ["--max-tokens", str(MAX_TOKENS), "--dataset", str(dataset)]
             + ["--endpoint", "completions", "--ignore-eos", "--peer", "mlx_lm"]
+            + ["--peer-model", str(tiny_model_dir)]
             + ["--peer-draft-model", str(tiny_draft_dir)]
             + ["--output", str(output), "--plot", str(plot)]
         )

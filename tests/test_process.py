@@ -144,8 +144,8 @@ def test_disconnect_mid_stream_cancels_generation(server):
     assert response.status_code == 200
 
 
-def test_demo_flag_serves_and_warns(tmp_path):
-    with running_server(["--demo"], env_without(XDG_CACHE_HOME=str(tmp_path))) as proc:
+def test_demo_random_flag_serves_and_warns(tmp_path):
+    with running_server(["--demo-random"], env_without(XDG_CACHE_HOME=str(tmp_path))) as proc:
         assert "gibberish" in proc.log()
         response = httpx.post(
             f"{proc.url}/v1/chat/completions",

@@ -19,8 +19,8 @@ class SchedulerConfig:
     enable_pld: bool = True
     max_queue: int = 256  # requests waiting beyond the running ones; more get QueueFull
     max_num_seqs: int = 16  # requests decoding at once (the batch size bound)
-    # Running + queued requests one API key may hold; 0 = max_num_seqs + max_queue // 2,
-    # so another key always finds a queue place. Keyless servers (one caller) have none.
+    # Running + queued requests one API key may hold; 0 = max_num_seqs + half the queue
+    # (rounded up), so another key finds a queue place. Keyless servers have no cap.
     max_per_key: int = 0
     # Backpressure: a stream with more undelivered events than this is paused (its
     # sequence leaves the engine, KV cache kept) until its client reads; 0 = never.
@@ -44,4 +44,4 @@ class SchedulerConfig:
 
     @property
     def per_key_limit(self) -> int:
-        return self.max_per_key or max(1, self.max_num_seqs + self.max_queue // 2)
+        return self.max_per_key or max(1, self.max_num_seqs + (self.max_queue + 1) // 2)

@@ -1,6 +1,6 @@
 """Build tiny random-weight Llama models with a real tokenizer, fully offline.
 
-`tandem serve --demo` and the test suite both need a model that loads through the
+`tandem serve --demo-random` and the test suite both need a model that loads through the
 same `mlx_lm.load` path real users hit, without a network. This module trains a
 byte-level BPE tokenizer on a small built-in corpus (`tokenizers`), saves it as a
 Hugging Face fast tokenizer with a chat template, and writes a random-init mlx-lm
@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from engines.cache_paths import tandem_cache_root
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -196,8 +198,5 @@ def build_tiny_model(
 
 
 def default_demo_dir() -> Path:
-    """Where `tandem serve --demo` keeps its model: the user's cache dir."""
-    import os
-
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tandem" / "demo-model"
+    """Where `tandem serve --demo-random` keeps its model: the user's cache dir."""
+    return tandem_cache_root() / "demo-model"

@@ -15,16 +15,16 @@ template. Anything else is refused with a message that names what is supported.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import re
 import shutil
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+from engines.cache_paths import file_sha256, tandem_cache_root
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def import_gguf(path: str | Path, cache_dir: Path | None = None, dtype: str | No
     CPU, float16 on a GPU, unless given)."""
     source = Path(path).expanduser()
     dtype = dtype or default_dtype()
-    out = (cache_dir or default_cache_dir()) / f"{file_digest(source)[:20]}-{dtype}"
+    out = (cache_dir or default_cache_dir()) / f"{file_sha256(source)[:20]}-{dtype}"
     if (out / "tandem_gguf.json").exists():
         return out
     log.info("importing %s into %s (%s); once per file", source, out, dtype)
@@ -71,16 +71,7 @@ def import_gguf(path: str | Path, cache_dir: Path | None = None, dtype: str | No
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tandem" / "gguf"
-
-
-def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return tandem_cache_root() / "gguf"
 
 
 def convert_gguf(source: Path, out: Path, dtype: str = "float32") -> None:

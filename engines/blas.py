@@ -37,16 +37,24 @@ def loaded_fast_blas() -> str | None:
     return None
 
 
-def find_fast_blas() -> str | None:
-    """A fast BLAS on disk that could be preloaded: OpenBLAS (apt) or MKL (pip)."""
-    for path in _OPENBLAS_CANDIDATES:
-        if os.path.exists(path):
-            return path
+def find_fast_blas(preference: str | None = None) -> str | None:
+    """A fast BLAS on disk that could be preloaded: OpenBLAS (apt) first, then MKL (the
+    `mkl` wheel, a dependency on x86_64 Linux, so a fresh venv has one without apt).
+    `TANDEM_BLAS=mkl` (or `openblas`) puts that one first."""
+    preference = preference or os.environ.get("TANDEM_BLAS", "auto")
+    openblas = [path for path in _OPENBLAS_CANDIDATES if os.path.exists(path)]
+    mkl = _pip_mkl()
+    ordered = [*mkl, *openblas] if preference == "mkl" else [*openblas, *mkl]
+    return ordered[0] if ordered else None
+
+
+def _pip_mkl() -> list[str]:
     prefixes = {sys.prefix, sysconfig.get_config_var("prefix") or sys.prefix}
-    for prefix in prefixes:
-        for path in sorted(glob.glob(os.path.join(prefix, "lib", "libmkl_rt.so*"))):
-            return path
-    return None
+    return [
+        path
+        for prefix in sorted(prefixes)
+        for path in sorted(glob.glob(os.path.join(prefix, "lib", "libmkl_rt.so*")))
+    ]
 
 
 def describe_blas() -> str:

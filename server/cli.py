@@ -139,6 +139,30 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-seqs", type=int, default=16, help="requests decoding at once (batch size bound)"
     )
     parser.add_argument(
+        "--max-per-key",
+        type=int,
+        default=0,
+        help="running + queued requests one API key may hold (0: max-num-seqs + half the queue)",
+    )
+    parser.add_argument(
+        "--max-unread-events",
+        type=int,
+        default=256,
+        help="a stream with more unread events is paused until its client reads (0: never)",
+    )
+    parser.add_argument(
+        "--unread-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a paused (unread) stream waits before it is cancelled",
+    )
+    parser.add_argument(
+        "--responses-store-mb",
+        type=float,
+        default=32.0,
+        help="memory bound of stored /v1/responses (also at most 256 of them)",
+    )
+    parser.add_argument(
         "--batch-threshold",
         type=int,
         default=2,

@@ -134,3 +134,16 @@ async def test_a_key_at_its_cap_is_refused_while_the_server_has_room(tight, refe
     assert all(events[-1].finish_reason == FinishReason.LENGTH for events in results)
     # Its places come back as its requests finish.
     assert (await tight.submit(request("k1-again", prompt, 3, K1)).collect())[-1].final
+
+
+def test_the_limits_are_flags():
+    """Operators set these on the command line; they reach the scheduler and server."""
+    from server.cli import build_parser
+    from server.serve import build_config
+
+    args = ["--max-per-key", "3", "--max-unread-events", "9", "--unread-timeout", "2.5"]
+    argv = ["serve", "/models/m", *args, "--responses-store-mb", "1.5"]
+    config = build_config(build_parser().parse_args(argv))
+    assert config.scheduler.per_key_limit == 3
+    assert (config.scheduler.max_unread_events, config.scheduler.unread_timeout) == (9, 2.5)
+    assert config.responses_store_bytes == int(1.5 * (1 << 20))

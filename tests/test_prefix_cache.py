@@ -77,13 +77,20 @@ async def test_multi_turn_chat_reuses_the_previous_turn(fresh_scheduler, referen
     assert cached >= r1.json()["usage"]["prompt_tokens"] - 1
 
 
-async def test_batched_requests_hit_the_cache_too(fresh_scheduler, reference):
+def after_system(reference, max_tokens: int):
+    """A maker of greedy requests whose prompt is SYSTEM followed by a suffix."""
     system_ids = reference.tokenizer.encode(SYSTEM)
-    greedy = SamplingParams(temperature=0.0)
 
     def request(rid: str, suffix: str) -> GenerationRequest:
         ids = system_ids + reference.tokenizer.encode(suffix, add_special_tokens=False)
-        return GenerationRequest(rid, tuple(ids), 20, greedy, ignore_eos=True)
+        greedy = SamplingParams(temperature=0.0)
+        return GenerationRequest(rid, tuple(ids), max_tokens, greedy, ignore_eos=True)
+
+    return system_ids, request
+
+
+async def test_batched_requests_hit_the_cache_too(fresh_scheduler, reference):
+    system_ids, request = after_system(reference, 20)
 
     await fresh_scheduler.submit(request("warm", " first")).collect()
     streams = [fresh_scheduler.submit(request(f"b{i}", f" question {i}")) for i in range(3)]
@@ -269,13 +276,7 @@ async def test_prefix_hits_with_draft_caches_stay_exact_in_both_engines(
     decoding does, and report the hit."""
     scheduler = start_scheduler(tiny_model_dir, draft_model=str(perturbed_draft_dir))
     try:
-        system_ids = reference.tokenizer.encode(SYSTEM)
-        greedy = SamplingParams(temperature=0.0)
-
-        def request(rid: str, suffix: str) -> GenerationRequest:
-            ids = system_ids + reference.tokenizer.encode(suffix, add_special_tokens=False)
-            return GenerationRequest(rid, tuple(ids), 24, greedy, ignore_eos=True)
-
+        system_ids, request = after_system(reference, 24)
         await scheduler.submit(request("warm", " first")).collect()
         alone = await scheduler.submit(request("alone", " first")).collect()
         assert alone[-1].cached_tokens >= len(system_ids)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from engines.demo import TinyModelSpec, build_tiny_model, default_demo_dir
+from engines.gguf_import import import_gguf
+from engines.packaged_models import CATALOGUE, packaged_gguf
 
 SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 
@@ -37,7 +39,8 @@ def widened(src: Path, out: Path) -> Path:
 
 def resolve_model(name: str) -> str:
     """A path for `name`: demo, random-100m, wide-stories, stories260K, saltyduckegg,
-    or a path / hub id passed through."""
+    a packaged real model (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), or a
+    path / hub id passed through."""
     cache = default_demo_dir().parent
     if name == "demo":
         return str(build_tiny_model(default_demo_dir()))
@@ -51,4 +54,6 @@ def resolve_model(name: str) -> str:
         return str(SHARED_MODELS / "stories260K")
     if name == "saltyduckegg":
         return str(SHARED_MODELS / "tinystories-280K-saltyduckegg")
+    if name in CATALOGUE:  # a real model from its registry packages, as a folder
+        return str(import_gguf(packaged_gguf(CATALOGUE[name])))
     return name

@@ -24,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engines.cache_paths import file_sha256, tandem_cache_root
+from engines.cache_paths import remembered_sha256, tandem_cache_root
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,9 @@ def import_gguf(path: str | Path, cache_dir: Path | None = None, dtype: str | No
     CPU, float16 on a GPU, unless given)."""
     source = Path(path).expanduser()
     dtype = dtype or default_dtype()
-    out = (cache_dir or default_cache_dir()) / f"{file_sha256(source)[:20]}-{dtype}"
+    root = cache_dir or default_cache_dir()
+    key = remembered_sha256(source, root / ".hashes")[:20]
+    out = root / f"{key}-v{FORMAT_VERSION}-{dtype}"
     if (out / "tandem_gguf.json").exists():
         return out
     log.info("importing %s into %s (%s); once per file", source, out, dtype)

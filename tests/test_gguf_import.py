@@ -203,3 +203,13 @@ def test_the_demo_is_a_real_model_that_answers(tmp_path):
         )
         assert response.status_code == 200, response.text
         assert "Paris" in response.json()["choices"][0]["message"]["content"]
+
+
+def test_a_file_changed_in_place_is_imported_afresh(tiny_model_dir, tmp_path):
+    path = tmp_path / "model.gguf"
+    write_gguf(tiny_model_dir, path)
+    first = import_gguf(path, tmp_path / "cache", dtype="float32")
+    assert import_gguf(path, tmp_path / "cache", dtype="float32") == first
+    write_gguf(tiny_model_dir, path, architecture="gemma3")  # new content, same path
+    with pytest.raises(GGUFImportError, match="'gemma3' is not supported"):
+        import_gguf(path, tmp_path / "cache", dtype="float32")

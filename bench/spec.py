@@ -4,14 +4,16 @@
 
 For each prompt set it decodes every prompt greedily with:
   mlx-lm      a bare `mlx_lm.generate_step` loop (the framework's own limit)
+  mlx-lm+draft  mlx-lm's own `speculative_generate_step`, fixed k (the peer's speculation)
   plain       Tandem's engine with drafting off (k = 0): the server's own overhead
   draft       Tandem with the draft model only
   pld         Tandem with prompt lookup only
   draft+pld   Tandem with both
-and prints decode tok/s (median over prompts x repeats), the ratio to mlx-lm, and
-acceptance per method. Configurations are interleaved per prompt so drift in machine
-speed hits them alike. Every speculative run is checked token-for-token against
-the mlx-lm output.
+and prints decode tok/s (median over prompts x repeats), the ratios to mlx-lm and to
+Tandem's plain decoding, and acceptance per method. Rows with `messages` (the
+code-edit / code-novel sets for instruction models) go through the chat template.
+Configurations are interleaved per prompt so drift in machine speed hits them alike.
+Every speculative run is checked token-for-token against the mlx-lm output.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DATA = Path(__file__).parent / "data"
-CONFIGS = ("mlx-lm", "plain", "draft", "pld", "draft+pld")
+CONFIGS = ("mlx-lm", "mlx-lm+draft", "plain", "draft", "pld", "draft+pld")
 
 
 @dataclass
@@ -36,9 +38,16 @@ class Result:
     mismatches: int = 0
 
 
-def load_prompts(name: str) -> list[str]:
+def load_prompts(name: str) -> list[dict]:
     path = Path(name) if name.endswith(".jsonl") else DATA / f"{name}.jsonl"
-    return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def encode_prompt(tokenizer, row: dict) -> list[int]:
+    """A `messages` row through the model's chat template; a `prompt` row as raw text."""
+    if "messages" in row:
+        return list(tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True))
+    return tokenizer.encode(row["prompt"])
 
 
 def decode_rate(stamps: list[float], tokens: int) -> float:
@@ -52,6 +61,20 @@ def run_mlx_lm(model, prompt_ids: list[int], max_tokens: int) -> tuple[float, li
 
     tokens, stamps = [], []
     for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
+        tokens.append(token)
+        stamps.append(time.perf_counter())
+    return decode_rate(stamps, len(tokens)), tokens
+
+
+def run_mlx_lm_draft(model, draft, prompt_ids, max_tokens, k) -> tuple[float, list[int]]:
+    import mlx.core as mx
+    from mlx_lm.generate import speculative_generate_step
+
+    tokens, stamps = [], []
+    steps = speculative_generate_step(
+        mx.array(prompt_ids), model, draft, num_draft_tokens=k, max_tokens=max_tokens
+    )
+    for token, _, _ in steps:
         tokens.append(token)
         stamps.append(time.perf_counter())
     return decode_rate(stamps, len(tokens)), tokens
@@ -99,6 +122,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--limit", type=int, default=0, help="prompts per set (0 = all)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--configs", default=",".join(CONFIGS), help="which of: " + ", ".join(CONFIGS)
+    )
     args = parser.parse_args(argv)
 
     import mlx.core as mx
@@ -114,7 +140,10 @@ def main(argv: list[str] | None = None) -> dict:
     engine = SpeculativeEngine(registry, SpecConfig(num_draft_tokens=args.num_draft_tokens))
     registry.transfer(engine.name)
     tokenizer = registry.tokenizer
-    configs = [c for c in CONFIGS if draft_path or "draft" not in c]
+    wanted = args.configs.split(",")
+    configs = [c for c in CONFIGS if c in wanted and (draft_path or "draft" not in c)]
+    if "mlx-lm" not in configs:
+        configs.insert(0, "mlx-lm")  # the reference every output is checked against
 
     print(f"model   {args.model} -> {model_path}")
     print(f"draft   {args.draft_model} -> {draft_path}")
@@ -128,20 +157,36 @@ def main(argv: list[str] | None = None) -> dict:
         f"k<={args.num_draft_tokens}"
     )
 
+    if draft_path:
+        target_rate, _ = run_mlx_lm(registry.target.model, tokenizer.encode("Hello"), 32)
+        draft_rate, _ = run_mlx_lm(registry.draft.model, tokenizer.encode("Hello"), 32)
+        print(f"cost    draft/target per token {target_rate / draft_rate:.2f} (plain decode)")
+
     results: dict[str, dict[str, Result]] = {}
     for set_name in args.sets.split(","):
-        prompts = load_prompts(set_name)[: args.limit or None]
+        rows = load_prompts(set_name)[: args.limit or None]
         results[set_name] = {c: Result() for c in configs}
-        run_mlx_lm(registry.target.model, tokenizer.encode(prompts[0]), 8)  # warm-up
+        run_mlx_lm(registry.target.model, encode_prompt(tokenizer, rows[0]), 8)  # warm-up
         for _ in range(args.repeats):
-            for prompt in prompts:
-                prompt_ids = tokenizer.encode(prompt)
+            for row in rows:
+                prompt_ids = encode_prompt(tokenizer, row)
                 rate, reference = run_mlx_lm(registry.target.model, prompt_ids, args.max_tokens)
                 results[set_name]["mlx-lm"].rates.append(rate)
                 for config in configs[1:]:
+                    result = results[set_name][config]
+                    if config == "mlx-lm+draft":
+                        rate, tokens = run_mlx_lm_draft(
+                            registry.target.model,
+                            registry.draft.model,
+                            prompt_ids,
+                            args.max_tokens,
+                            args.num_draft_tokens,
+                        )
+                        result.rates.append(rate)
+                        result.mismatches += tokens != reference
+                        continue
                     overrides = overrides_for(config, args.num_draft_tokens)
                     rate, tokens, spec = run_tandem(engine, prompt_ids, args.max_tokens, overrides)
-                    result = results[set_name][config]
                     result.rates.append(rate)
                     result.mismatches += tokens != reference
                     for method, stats in spec.by_method.items():
@@ -155,9 +200,13 @@ def main(argv: list[str] | None = None) -> dict:
 def report(results: dict[str, dict[str, Result]], json_path: Path | None) -> dict:
     table = {}
     print()
-    print(f"{'set':8} {'config':10} {'tok/s':>8} {'vs mlx-lm':>10}  acceptance (accepted/drafted)")
+    print(
+        f"{'set':10} {'config':12} {'tok/s':>7} {'vs mlx-lm':>9} {'vs plain':>8}"
+        "  acceptance (accepted/drafted)"
+    )
     for set_name, by_config in results.items():
         base = statistics.median(by_config["mlx-lm"].rates)
+        plain = statistics.median(by_config["plain"].rates) if "plain" in by_config else None
         for config, result in by_config.items():
             rate = statistics.median(result.rates)
             acceptance = "  ".join(
@@ -166,10 +215,15 @@ def report(results: dict[str, dict[str, Result]], json_path: Path | None) -> dic
                 for m in sorted(result.drafted)
             )
             flag = f"  MISMATCH x{result.mismatches}" if result.mismatches else ""
-            print(f"{set_name:8} {config:10} {rate:8.1f} {rate / base:9.2f}x  {acceptance}{flag}")
+            vs_plain = f"{rate / plain:7.2f}x" if plain else f"{'-':>8}"
+            print(
+                f"{set_name:10} {config:12} {rate:7.2f} {rate / base:8.2f}x {vs_plain}"
+                f"  {acceptance}{flag}"
+            )
             table.setdefault(set_name, {})[config] = {
                 "tok_s": rate,
                 "ratio_vs_mlx_lm": rate / base,
+                "ratio_vs_plain": rate / plain if plain else None,
                 "runs": result.rates,
                 "drafted": result.drafted,
                 "accepted": result.accepted,

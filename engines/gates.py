@@ -14,7 +14,7 @@ E(k)/cost(k), and not at all (k = 0) when no k beats plain decoding.
 
 from __future__ import annotations
 
-import itertools
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -50,15 +50,48 @@ class CostModel:
         return cls(tuple(1.0 + per_token * n for n in range(max_tokens)), draft_step)
 
     @classmethod
-    def measure(cls, model, draft_model, max_tokens: int, repeats: int = 7) -> CostModel:
-        """Time forwards of 1..max_tokens tokens on a warm cache, against pipelined
-        plain steps (what drafting must beat). Minimum over repeats (interference only
-        ever adds time), made non-decreasing in n (more tokens never cost less)."""
-        plain = _pipelined_step_seconds(model, repeats)
-        ratios = [_forward_seconds(model, n, repeats) / plain for n in range(1, max_tokens + 1)]
-        verify = tuple(itertools.accumulate((max(1.0, r) for r in ratios), max))
-        draft = _pipelined_step_seconds(draft_model, repeats) / plain if draft_model else 0.0
-        return cls(verify, draft)
+    def measure(cls, model, draft_model, max_tokens: int, rounds: int = 5) -> CostModel:
+        """Time forwards of 1..max_tokens tokens on a warm cache against pipelined plain
+        steps (what drafting must beat), robust to a noisy shared machine. Each round
+        times every size between two runs of plain steps, and each cost is a ratio to
+        the mean of its own round's plain runs, so a machine that slows down or speeds
+        up during the measurement (another process, throttling) changes the plain step
+        and the forwards alike; the median over rounds drops a round that a burst of
+        interference hit; and the verify costs are fitted to be non-decreasing in n
+        (more tokens never cost less)."""
+        target_cache = _warm_cache(model)
+        draft_cache = _warm_cache(draft_model) if draft_model is not None else None
+        _forward_seconds(model, target_cache, max_tokens)  # warm-up: graph, allocations
+        by_round = []
+        for _ in range(rounds):
+            before = _pipelined_step_seconds(model, target_cache)
+            forwards = [_forward_seconds(model, target_cache, n) for n in range(1, max_tokens + 1)]
+            draft = _pipelined_step_seconds(draft_model, draft_cache) if draft_cache else 0.0
+            plain = (before + _pipelined_step_seconds(model, target_cache)) / 2
+            by_round.append([seconds / plain for seconds in forwards] + [draft / plain])
+        medians = [statistics.median(column) for column in zip(*by_round, strict=True)]
+        verify = monotone_fit([max(1.0, ratio) for ratio in medians[:-1]])
+        return cls(tuple(verify), medians[-1])
+
+    def as_dict(self) -> dict:
+        return {
+            "verify": [round(c, 4) for c in self.verify],
+            "draft_step": round(self.draft_step, 4),
+        }
+
+
+def monotone_fit(values: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in squared error (pool adjacent
+    violators): one noisy size is averaged with its neighbours instead of lifting every
+    larger size to its level, as a running maximum would."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([value, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (mean_b, count_b), (mean_a, count_a) = blocks.pop(), blocks.pop()
+            count = count_a + count_b
+            blocks.append([(mean_a * count_a + mean_b * count_b) / count, count])
+    return [mean for mean, count in blocks for _ in range(count)]
 
 
 def _warm_cache(model, context: int = 32):
@@ -67,36 +100,33 @@ def _warm_cache(model, context: int = 32):
     return cache
 
 
-def _forward_seconds(model, n: int, repeats: int) -> float:
-    cache = _warm_cache(model)
+def _forward_seconds(model, cache, n: int, repeats: int = 1) -> float:
+    """The fastest of `repeats` forwards of n tokens (rolled back after each)."""
     tokens = mx.zeros((1, n), dtype=mx.int32)
-    times = []
-    for _ in range(repeats + 1):
+    best = float("inf")
+    for _ in range(repeats):
         start = time.perf_counter()
         logits = model(tokens, cache=cache)
         mx.eval(mx.argmax(logits[0], axis=-1))
-        times.append(time.perf_counter() - start)
+        best = min(best, time.perf_counter() - start)
         trim_prompt_cache(cache, n)
-    return min(times[1:])
-
-
-def _pipelined_step_seconds(model, repeats: int) -> float:
-    cache = _warm_cache(model)
-    token = mx.zeros((1,), dtype=mx.int32)
-    steps = 4 * repeats
-    token = mx.argmax(model(token[None], cache=cache)[0, -1:], axis=-1)
-    mx.eval(token)
-    best = float("inf")
-    for _ in range(3):  # best of three runs of `steps` pipelined steps
-        start = time.perf_counter()
-        for _ in range(steps):
-            following = mx.argmax(model(token[None], cache=cache)[0, -1:], axis=-1)
-            mx.async_eval(following)
-            token.item()
-            token = following
-        token.item()
-        best = min(best, (time.perf_counter() - start) / steps)
     return best
+
+
+def _pipelined_step_seconds(model, cache, steps: int = 4) -> float:
+    """Seconds per step of `steps` pipelined plain steps (rolled back after)."""
+    token = mx.argmax(model(mx.zeros((1, 1), dtype=mx.int32), cache=cache)[0, -1:], axis=-1)
+    mx.eval(token)
+    start = time.perf_counter()
+    for _ in range(steps):
+        following = mx.argmax(model(token[None], cache=cache)[0, -1:], axis=-1)
+        mx.async_eval(following)
+        token.item()
+        token = following
+    token.item()
+    seconds = (time.perf_counter() - start) / steps
+    trim_prompt_cache(cache, steps + 1)
+    return seconds
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -208,6 +238,8 @@ class OnlineCosts:
     draft_token_s: float | None = None
     samples: dict[str, int] = field(default_factory=dict)
     _model: CostModel | None = None
+    # the latest model and sample counts, replaced whole: safe to read from any thread
+    published: tuple[CostModel, dict[str, int]] | None = None
 
     def _average(self, old: float | None, value: float, key: str) -> float | None:
         """Running average; the first sample of each kind is dropped (warm-up: graph
@@ -216,39 +248,64 @@ class OnlineCosts:
         self.samples[key] = seen + 1
         if seen == 0:
             return old
-        self._model = None
         return value if old is None else old + self.weight * (value - old)
 
     def observe_plain(self, seconds: float) -> None:
         if self.learn:
             self.plain_s = self._average(self.plain_s, seconds, "plain")
+            self._model = None
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         if self.learn:
             self.verify_s[tokens] = self._average(self.verify_s.get(tokens), seconds, f"v{tokens}")
+            self._model = None
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         if self.learn and tokens:
             self.draft_token_s = self._average(self.draft_token_s, seconds / tokens, "draft")
+            self._model = None
 
     def model(self) -> CostModel:
-        """The current cost model: learned ratios where there are enough samples."""
+        """The current cost model: learned ratios where there are enough samples.
+        Engine thread only; other threads read `published`."""
         if self._model is None:
             self._model = self._combine()
+            self.published = (self._model, dict(self.samples))
         return self._model
 
+    def snapshot(self) -> dict:
+        """What /v1/stats shows: the costs in use, the start-up measurement, samples."""
+        current, samples = self.published or (self.base, {})
+        return {
+            **current.as_dict(),
+            "measured_at_startup": self.base.as_dict(),
+            "learning": self.learn,
+            "samples": samples,
+        }
+
     def _combine(self) -> CostModel:
+        """Learned verify costs where a size has enough samples; elsewhere the start-up
+        measurement's extra cost over a plain step, scaled by how far the learned sizes
+        say it was off (a start-up on a busy machine is off for every size alike)."""
         base = self.base
         if self.plain_s is None or self.samples.get("plain", 0) <= self.min_samples:
             return base
-        ratios = []
-        for n in range(1, base.max_tokens + 1):
-            learned = self.verify_s.get(n)
-            if learned is not None and self.samples.get(f"v{n}", 0) > self.min_samples:
-                ratios.append(max(1.0, learned / self.plain_s))
-            else:
-                ratios.append(base.verify_cost(n))
+        learned = {
+            n: max(1.0, seconds / self.plain_s)
+            for n, seconds in self.verify_s.items()
+            if seconds is not None and self.samples.get(f"v{n}", 0) > self.min_samples
+        }
+        excess = [
+            (learned[n] - 1) / (base.verify_cost(n) - 1)
+            for n in learned
+            if base.verify_cost(n) > 1.0
+        ]
+        scale = statistics.median(excess) if excess else 1.0
+        ratios = [
+            learned.get(n, 1 + (base.verify_cost(n) - 1) * scale)
+            for n in range(1, base.max_tokens + 1)
+        ]
         draft = base.draft_step
         if self.draft_token_s is not None and self.samples.get("draft", 0) > self.min_samples:
             draft = self.draft_token_s / self.plain_s
-        return CostModel(tuple(itertools.accumulate(ratios, max)), draft)
+        return CostModel(tuple(monotone_fit(ratios)), draft)

@@ -381,6 +381,12 @@ class Scheduler:
         return self._spec
 
     @property
+    def speculation_costs(self) -> dict | None:
+        """The single-stream cost model in use (verify and draft-step costs relative to a
+        plain step), what was measured at start-up, and how many steps taught it."""
+        return self._spec.costs.snapshot() if self._spec is not None else None
+
+    @property
     def max_draft_tokens(self) -> int:
         """The largest draft length a request can get (overrides are clamped to it)."""
         return max(self.config.num_draft_tokens, SpecConfig.max_draft_tokens)

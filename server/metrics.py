@@ -335,6 +335,7 @@ class Metrics:
                 ],
                 "by_method": by_method,
                 "gate_trips": dict(spec.gate_trips),
+                "costs": scheduler.speculation_costs,
             },
             "mode_switches": {
                 f"{a}->{b}": n for (a, b), n in sorted(scheduler.counters.mode_switches.items())
@@ -390,3 +391,24 @@ class _LiveGauges(Collector):
         )
         supported.add_metric([m], 1.0 if scheduler.speculation_supported else 0.0)
         yield from (running, waiting, mode, memory, blas, supported)
+        yield from self._cost_gauges(m, scheduler.speculation_costs)
+
+    @staticmethod
+    def _cost_gauges(m: str, costs: dict | None) -> Iterator[GaugeMetricFamily]:
+        if costs is None:
+            return
+        verify = GaugeMetricFamily(
+            "tandem_spec_verify_cost_ratio",
+            "Cost of a target forward over n tokens / a plain decode step, as the drafting "
+            "gates currently believe it (start-up measurement, corrected by real steps).",
+            labels=["model_name", "tokens"],
+        )
+        for n, cost in enumerate(costs["verify"], start=1):
+            verify.add_metric([m, str(n)], cost)
+        draft = GaugeMetricFamily(
+            "tandem_spec_draft_step_cost_ratio",
+            "Cost of one draft-model token / a plain target decode step (0 without a draft).",
+            labels=["model_name"],
+        )
+        draft.add_metric([m], costs["draft_step"])
+        yield from (verify, draft)

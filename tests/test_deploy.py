@@ -55,6 +55,8 @@ EXPORTED_METRICS = frozenset(
         "tandem_memory_bytes",
         "tandem_blas_info",
         "tandem_speculation_supported",
+        "tandem_spec_verify_cost_ratio",
+        "tandem_spec_draft_step_cost_ratio",
         "tandem_request_errors_total",
         "tandem_client_disconnects_total",
     }
@@ -83,6 +85,8 @@ GAUGES = frozenset(
         "tandem_memory_bytes",
         "tandem_blas_info",
         "tandem_speculation_supported",
+        "tandem_spec_verify_cost_ratio",
+        "tandem_spec_draft_step_cost_ratio",
     }
 )
 METRIC_RE = re.compile(r"\b(vllm:[a-z0-9_:]+|tandem_[a-z0-9_]+)")

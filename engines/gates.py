@@ -24,6 +24,8 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from engines.drafters import DRAFT
 
 MIN_SPEEDUP = 1.03  # a draft length must beat plain decoding by this much
+TRUSTED_ACCEPTANCE = 0.5  # a draft model accepted this often drafts until measured slower
+PLAIN = "plain"
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class CostModel:
 
     verify: tuple[float, ...]
     draft_step: float = 0.0
+    plain_seconds: float = 0.0  # a pipelined plain step at start-up (0 = not measured)
 
     @property
     def max_tokens(self) -> int:
@@ -62,16 +65,17 @@ class CostModel:
         target_cache = _warm_cache(model)
         draft_cache = _warm_cache(draft_model) if draft_model is not None else None
         _forward_seconds(model, target_cache, max_tokens)  # warm-up: graph, allocations
-        by_round = []
+        by_round, plains = [], []
         for _ in range(rounds):
             before = _pipelined_step_seconds(model, target_cache)
             forwards = [_forward_seconds(model, target_cache, n) for n in range(1, max_tokens + 1)]
             draft = _pipelined_step_seconds(draft_model, draft_cache) if draft_cache else 0.0
             plain = (before + _pipelined_step_seconds(model, target_cache)) / 2
+            plains.append(plain)
             by_round.append([seconds / plain for seconds in forwards] + [draft / plain])
         medians = [statistics.median(column) for column in zip(*by_round, strict=True)]
         verify = monotone_fit([max(1.0, ratio) for ratio in medians[:-1]])
-        return cls(tuple(verify), medians[-1])
+        return cls(tuple(verify), medians[-1], statistics.median(plains))
 
     def as_dict(self) -> dict:
         return {
@@ -178,20 +182,51 @@ class MethodGate:
     max_backoff: int = 256
     weight: float = 0.25
     probe_k: int = 2
+    last_k: int = 0  # the draft length of the latest verify
 
-    def draft_length(self, k_max: int, cost: CostModel) -> int:
-        """How many tokens to draft this step (0 = do not draft with this method)."""
+    def draft_length(self, k_max: int, cost: CostModel, realized: float | None = None) -> int:
+        """How many tokens to draft this step (0 = do not draft with this method). An open
+        gate that finds no k worth drafting closes, so the steps until its probe are
+        pipelined plain steps: a gate that is open but never drafts would cost every
+        step its pipelining and gather no evidence."""
         if self.open:
-            return best_draft_length(self.alpha, k_max, cost, self.method)
+            k = self.open_length(k_max, cost, realized)
+            if k == 0:
+                self.open, self.cooldown = False, self.backoff
+            return k
         return min(self.probe_k, k_max) if self.cooldown <= 0 else 0
 
-    def record(self, drafted: int, accepted: int, k_max: int, cost: CostModel) -> bool:
+    def open_length(self, k_max: int, cost: CostModel, realized: float | None) -> int:
+        """The predicted best k, unless what was measured says otherwise: `realized` is
+        the measured speed-up of drafting with this method over plain steps (None until
+        both were measured). A prediction that measurement contradicts is not trusted,
+        and a draft model accepted at least half the time drafts until measured slower."""
+        predicted = best_draft_length(self.alpha, k_max, cost, self.method)
+        if realized is None:
+            if predicted == 0 and self.method == DRAFT and self.alpha >= TRUSTED_ACCEPTANCE:
+                return min(self.probe_k, k_max)
+            return predicted
+        if realized < 1.0:
+            return 0
+        if predicted == 0 and realized >= MIN_SPEEDUP:
+            return min(max(self.probe_k, self.last_k), k_max)
+        return predicted
+
+    def record(
+        self,
+        drafted: int,
+        accepted: int,
+        k_max: int,
+        cost: CostModel,
+        realized: float | None = None,
+    ) -> bool:
         """Update after a verify; returns True if this closed the gate (a trip)."""
+        self.last_k = drafted
         attempts = accepted + (1 if accepted < drafted else 0)
         for i in range(attempts):
             hit = 1.0 if i < accepted else 0.0
             self.alpha += self.weight * (hit - self.alpha)
-        pays = best_draft_length(self.alpha, k_max, cost, self.method) > 0
+        pays = self.open_length(k_max, cost, realized) > 0
         was_open, self.open = self.open, pays
         if pays:
             self.backoff = self.min_backoff
@@ -308,4 +343,59 @@ class OnlineCosts:
         draft = base.draft_step
         if self.draft_token_s is not None and self.samples.get("draft", 0) > self.min_samples:
             draft = self.draft_token_s / self.plain_s
-        return CostModel(tuple(monotone_fit(ratios)), draft)
+        return CostModel(tuple(monotone_fit(ratios)), draft, base.plain_seconds)
+
+
+@dataclass
+class RealizedRates:
+    """Committed tokens per second as served, for plain steps and for drafting steps by
+    method: what drafting actually gave, beside what the cost model predicts.
+
+    Running averages of seconds and of tokens per step (their ratio is the rate).
+    `plain_probe_due` asks the engine for a few plain steps now and then while drafting
+    runs without pause, so the comparison never goes stale (an A/B probe costs a few
+    plain steps in `stale_after` drafting steps)."""
+
+    weight: float = 0.1
+    min_steps: int = 4
+    stale_after: int = 48
+    seconds: dict[str, float] = field(default_factory=dict)
+    tokens: dict[str, float] = field(default_factory=dict)
+    steps: dict[str, int] = field(default_factory=dict)
+    since_plain: int = 0
+
+    @classmethod
+    def starting_from(cls, plain_seconds: float) -> RealizedRates:
+        """Plain steps start at the start-up measurement, as if seen `min_steps` times,
+        so drafting is judged from its first steps; A/B probes then correct it."""
+        rates = cls()
+        if plain_seconds > 0:
+            rates.seconds[PLAIN], rates.tokens[PLAIN] = plain_seconds, 1.0
+            rates.steps[PLAIN] = rates.min_steps + 1
+        return rates
+
+    def observe(self, kind: str, seconds: float, tokens: int) -> None:
+        seen = self.steps.get(kind, 0)
+        self.steps[kind] = seen + 1
+        if seen == 0:  # warm-up, like OnlineCosts
+            return
+        for average, value in ((self.seconds, seconds), (self.tokens, float(tokens))):
+            old = average.get(kind)
+            average[kind] = value if old is None else old + self.weight * (value - old)
+        self.since_plain = 0 if kind == PLAIN else self.since_plain + 1
+
+    def rate(self, kind: str) -> float | None:
+        if self.steps.get(kind, 0) <= self.min_steps:
+            return None
+        return self.tokens[kind] / self.seconds[kind]
+
+    def speedup(self, method: str) -> float | None:
+        """Measured tokens/s drafting with `method` over plain tokens/s, or None."""
+        plain, drafting = self.rate(PLAIN), self.rate(method)
+        return None if plain is None or drafting is None else drafting / plain
+
+    def plain_probe_due(self) -> bool:
+        return self.steps.get(PLAIN, 0) <= self.min_steps or self.since_plain >= self.stale_after
+
+    def snapshot(self) -> dict:
+        return {kind: round(rate, 2) for kind in sorted(self.steps) if (rate := self.rate(kind))}

@@ -32,7 +32,15 @@ from engines.drafters import (
     DraftState,
     PromptLookupDrafter,
 )
-from engines.gates import CostModel, MethodGate, OnlineCosts, prompt_repetition_score, speedup
+from engines.gates import (
+    PLAIN,
+    CostModel,
+    MethodGate,
+    OnlineCosts,
+    RealizedRates,
+    prompt_repetition_score,
+    speedup,
+)
 from engines.logprobs import token_logprob, token_logprobs
 from engines.registry import ModelRegistry
 from engines.rollback import trim_exact
@@ -84,6 +92,7 @@ class _Active:
     in_flight: mx.array | None = None  # a plain token sampled but not committed
     in_flight_logprobs: mx.array | None = None  # the distribution it was sampled from
     history: mx.array | None = None  # tokens in the cache (+ in flight), for penalties
+    forced_plain: int = 0  # plain tokens still to run for an A/B probe
 
     @property
     def tokens(self) -> list[int]:
@@ -107,6 +116,11 @@ class SpeculativeEngine:
         measured = cost or CostModel.measure(registry.target.model, draft_model, self.k_cap + 1)
         # A cost model given explicitly (tests) stays fixed, so gating is repeatable.
         self.costs = OnlineCosts(measured, learn=cost is None)
+        # What drafting with the draft model really gives against plain steps; off with
+        # a fixed cost model (tests), whose gating must not depend on the machine.
+        self.realized = (
+            RealizedRates.starting_from(measured.plain_seconds) if cost is None else None
+        )
         self.vocab_size = registry.target.vocab_size
         self.drafter = (
             DraftModelDrafter(
@@ -230,7 +244,11 @@ class SpeculativeEngine:
                     # from batching) is not what each drafted token costs.
                     self.costs.observe_draft(len(draft.tokens), proposed - started)
                 outputs = self._verify(active, draft)
-                self.costs.observe_verify(len(draft.tokens) + 1, time.perf_counter() - proposed)
+                finished = time.perf_counter()
+                self.costs.observe_verify(len(draft.tokens) + 1, finished - proposed)
+                if self.realized is not None and draft.method == DRAFT:
+                    committed = sum(len(o.token_ids) for o in outputs)
+                    self.realized.observe(DRAFT, finished - started, committed)
                 return outputs
             active.in_flight, active.in_flight_logprobs = self._forward_and_sample(
                 active, mx.array(active.tokens[-1:]), len(active.seq.generated)
@@ -242,7 +260,10 @@ class SpeculativeEngine:
             # Started with a token in flight and queued the next one: a steady pipelined
             # plain step, the cost drafting has to beat. (The last plain step before a
             # draft only reads a token computed long ago; it would look nearly free.)
-            self.costs.observe_plain(time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.costs.observe_plain(seconds)
+            if self.realized is not None:
+                self.realized.observe(PLAIN, seconds, 1)
         return outputs
 
     def _prefill_chunk(self, active: _Active) -> None:
@@ -284,6 +305,7 @@ class SpeculativeEngine:
             active.cached += 1
         for gate in active.gates.values():
             gate.plain_token()
+        active.forced_plain = max(0, active.forced_plain - 1)
         token = current.item()
         output = StepOutput(seq.request_id, [token], seq.commit(token))
         if seq.request.logprobs is not None:
@@ -291,18 +313,26 @@ class SpeculativeEngine:
         return self._finish_step(output)
 
     def _next_step_is_plain(self, active: _Active) -> bool:
-        return not any(gate.due for gate in active.gates.values())
+        return active.forced_plain > 0 or not any(gate.due for gate in active.gates.values())
+
+    def _realized(self, method: str) -> float | None:
+        """Measured speed-up of the draft model over plain steps (other methods: None;
+        PLD pays or not by its request's content, which the server's average hides)."""
+        return self.realized.speedup(method) if self.realized and method == DRAFT else None
 
     # ---- drafting and verification ---------------------------------------------
 
     def _propose(self, active: _Active) -> Draft | None:
         seq = active.seq
         k_max = min(self._request_k(seq), seq.request.max_tokens - len(seq.generated) - 1)
-        if k_max <= 0 or not active.gates:
+        if k_max <= 0 or not active.gates or active.forced_plain > 0:
+            return None
+        gate = active.gates.get(DRAFT)
+        if gate is not None and gate.open and self.realized and self.realized.plain_probe_due():
+            active.forced_plain = 4  # an A/B probe: plain steps to compare drafting with
             return None
         pld_draft = self._propose_pld(active, k_max) if PLD in active.gates else None
-        gate = active.gates.get(DRAFT)
-        k = gate.draft_length(k_max, self.cost) if gate is not None else 0
+        k = gate.draft_length(k_max, self.cost, self._realized(DRAFT)) if gate is not None else 0
         if k == 0 or (pld_draft is not None and self._prefer_pld(active, pld_draft, k)):
             return pld_draft
         return self.drafter.propose(
@@ -405,7 +435,8 @@ class SpeculativeEngine:
         active.seq.spec.record(draft.method, k, accepted)
         self.totals.record(draft.method, k, accepted)
         gate = active.gates[draft.method]
-        if gate.record(k, accepted, self._request_k(active.seq), self.cost):
+        realized = self._realized(draft.method)
+        if gate.record(k, accepted, self._request_k(active.seq), self.cost, realized):
             active.seq.spec.trip("runtime")
             self.totals.trip("runtime")
 

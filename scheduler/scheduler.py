@@ -384,7 +384,13 @@ class Scheduler:
     def speculation_costs(self) -> dict | None:
         """The single-stream cost model in use (verify and draft-step costs relative to a
         plain step), what was measured at start-up, and how many steps taught it."""
-        return self._spec.costs.snapshot() if self._spec is not None else None
+        if self._spec is None:
+            return None
+        realized = self._spec.realized
+        return {
+            **self._spec.costs.snapshot(),
+            "realized_tokens_per_s": realized.snapshot() if realized is not None else None,
+        }
 
     @property
     def max_draft_tokens(self) -> int:

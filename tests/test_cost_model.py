@@ -9,10 +9,25 @@ from __future__ import annotations
 
 import time
 
+import mlx.core as mx
 import pytest
 from mlx_lm import load
+from mlx_lm.generate import generate_step
 
-from engines.gates import CostModel, OnlineCosts, monotone_fit
+from engines.drafters import DRAFT, PLD
+from engines.gates import (
+    PLAIN,
+    CostModel,
+    MethodGate,
+    OnlineCosts,
+    RealizedRates,
+    best_draft_length,
+    monotone_fit,
+)
+from engines.registry import LoadedModel, ModelRegistry
+from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
+from engines.sequence import make_sequence
+from engines.speculative import SpecConfig, SpeculativeEngine
 from tests.conftest import make_client
 
 
@@ -20,13 +35,16 @@ class TimedModel:
     """A real model whose forward over n tokens takes (fixed + per_token * n) seconds
     times `slowdown(call number)`: a machine of known, controllable speed."""
 
-    def __init__(self, model, fixed: float, per_token: float, slowdown) -> None:
+    def __init__(self, model, fixed: float, per_token: float, slowdown=lambda call: 1.0) -> None:
         self.model, self.fixed, self.per_token, self.slowdown = model, fixed, per_token, slowdown
         self.calls = 0
+        self.verify_slowdown = 1.0  # extra factor on forwards of more than one token
 
     def __call__(self, tokens, cache=None):
         self.calls += 1
-        time.sleep((self.fixed + self.per_token * tokens.shape[1]) * self.slowdown(self.calls))
+        n = tokens.shape[1]
+        factor = self.slowdown(self.calls) * (self.verify_slowdown if n > 1 else 1.0)
+        time.sleep((self.fixed + self.per_token * n) * factor)
         return self.model(tokens, cache=cache)
 
     def __getattr__(self, name):
@@ -38,8 +56,13 @@ def true_verify(n: int, fixed: float, per_token: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return load(str(tiny_model_dir))[0]
+def tiny_loaded(tiny_model_dir):
+    return load(str(tiny_model_dir), return_config=True)  # model, tokenizer, config
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_loaded):
+    return tiny_loaded[0]
 
 
 @pytest.mark.parametrize(
@@ -103,3 +126,96 @@ async def test_the_costs_in_use_are_in_stats_and_metrics(spec_scheduler):
         line = f'tandem_spec_verify_cost_ratio{{{label},tokens="{n}"}} {round(cost, 4)}\n'
         assert line in metrics
     assert f"tandem_spec_draft_step_cost_ratio{{{label}}} {expected.draft_step}\n" in metrics
+
+
+# ---- gates that trust what was measured over what was predicted ----------------------
+
+PESSIMISTIC = CostModel((1.0, 4.0, 5.0, 6.0, 7.0), draft_step=0.2)
+OPTIMISTIC = CostModel((1.0, 1.05, 1.1, 1.15, 1.2), draft_step=0.05)
+
+
+def test_a_prediction_that_measurement_contradicts_is_not_trusted():
+    gate = MethodGate(DRAFT, alpha=0.8, last_k=3)
+    assert best_draft_length(0.8, 4, PESSIMISTIC, DRAFT) == 0
+    assert gate.open_length(4, PESSIMISTIC, realized=1.4) == 3  # measured faster: draft
+    assert best_draft_length(0.8, 4, OPTIMISTIC, DRAFT) > 0
+    assert gate.open_length(4, OPTIMISTIC, realized=0.8) == 0  # measured slower: do not
+    assert gate.record(3, 0, 4, OPTIMISTIC, realized=0.8) is True  # and the gate closes
+
+
+def test_a_draft_accepted_half_the_time_drafts_until_measured_slower():
+    draft_gate, pld_gate = MethodGate(DRAFT, alpha=0.6), MethodGate(PLD, alpha=0.6)
+    assert draft_gate.open_length(4, PESSIMISTIC, realized=None) == draft_gate.probe_k
+    assert pld_gate.open_length(4, PESSIMISTIC, realized=None) == 0
+    assert MethodGate(DRAFT, alpha=0.3).open_length(4, PESSIMISTIC, realized=None) == 0
+
+
+def test_realized_rates_compare_drafting_with_plain_and_ask_for_probes():
+    rates = RealizedRates.starting_from(plain_seconds=0.02)  # 50 tokens/s at start-up
+    assert rates.speedup(DRAFT) is None
+    for _ in range(rates.min_steps + 1):
+        rates.observe(DRAFT, 0.03, 3)  # 100 tokens/s drafting
+    assert rates.speedup(DRAFT) == pytest.approx(2.0)
+    assert not rates.plain_probe_due()
+    for _ in range(rates.stale_after):
+        rates.observe(DRAFT, 0.03, 3)
+    assert rates.plain_probe_due()  # plain was last seen long ago: measure it again
+    rates.observe(PLAIN, 0.04, 1)  # the machine got slower for plain steps too
+    assert not rates.plain_probe_due()
+    assert rates.speedup(DRAFT) > 2.0  # so drafting gains more than start-up said
+
+
+def test_an_open_gate_that_finds_nothing_worth_drafting_lets_plain_steps_pipeline(
+    tiny_model_dir,
+):
+    """With costs that make no draft length pay, PLD's gate (open: the prompt repeats
+    itself) must close, so plain steps pipeline instead of running one by one."""
+    registry = ModelRegistry.load(str(tiny_model_dir))
+    engine = SpeculativeEngine(registry, SpecConfig(), cost=PESSIMISTIC)
+    registry.transfer(engine.name)
+    prompt = registry.tokenizer.encode("def add(a, b):\n    return a + b\n" * 4)
+    request = GenerationRequest(
+        "r", tuple(prompt), 24, SamplingParams(temperature=0.0), ignore_eos=True
+    )
+    engine.add(make_sequence(request, registry.tokenizer))
+    pipelined = 0
+    while engine.active is not None:
+        engine.step()
+        pipelined += engine.active is not None and engine.active.in_flight is not None
+    assert pipelined >= 16
+
+
+def test_a_draft_the_startup_measurement_misjudged_still_drafts_and_stays_exact(tiny_loaded):
+    """Start-up ran on a disturbed machine: every multi-token forward took six times its
+    real cost, so the measured costs say drafting never pays. Served, verifies are cheap
+    and the draft (the target's own weights) is always right: the engine must find that
+    out by drafting, and its output is plain decoding's."""
+    tiny, tokenizer, config = tiny_loaded
+    target = TimedModel(tiny, 0.02, 0.001)
+    draft = TimedModel(tiny, 0.002, 0.0)
+    target.verify_slowdown = 6.0
+    registry = ModelRegistry(
+        LoadedModel("target", target, tokenizer, config),
+        LoadedModel("draft", draft, tokenizer, config),
+    )
+    engine = SpeculativeEngine(registry, SpecConfig(enable_pld=False))
+    registry.transfer(engine.name)
+    assert best_draft_length(0.9, 4, engine.cost, DRAFT) == 0  # start-up misjudged it
+    target.verify_slowdown = 1.0
+
+    prompt = tokenizer.encode("Once upon a time there was a little robot")
+    request = GenerationRequest(
+        "r",
+        tuple(prompt),
+        48,
+        SamplingParams(temperature=0.0),
+        ignore_eos=True,
+        speculation=SpeculationOverrides(enable_draft=True),
+    )
+    seq = make_sequence(request, tokenizer)
+    engine.add(seq)
+    while engine.active is not None:
+        engine.step()
+    plain = [t for t, _ in generate_step(mx.array(prompt), tiny, max_tokens=48)]
+    assert seq.generated == plain
+    assert seq.spec.accepted_tokens >= 24, seq.spec

@@ -125,6 +125,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--configs", default=",".join(CONFIGS), help="which of: " + ", ".join(CONFIGS)
     )
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="fresh engines (each measuring its costs at start-up, like a fresh server)",
+    )
+    parser.add_argument(
+        "--peer-k", default="", help="mlx-lm+draft's fixed k values (default: --num-draft-tokens)"
+    )
     args = parser.parse_args(argv)
 
     import mlx.core as mx
@@ -132,16 +141,18 @@ def main(argv: list[str] | None = None) -> dict:
     from bench.models import resolve_model
     from engines.blas import describe_blas
     from engines.registry import ModelRegistry
-    from engines.speculative import SpecConfig, SpeculativeEngine
 
     model_path = resolve_model(args.model)
     draft_path = resolve_model(args.draft_model) if args.draft_model else None
     registry = ModelRegistry.load(model_path, draft_path)
-    engine = SpeculativeEngine(registry, SpecConfig(num_draft_tokens=args.num_draft_tokens))
-    registry.transfer(engine.name)
     tokenizer = registry.tokenizer
     wanted = args.configs.split(",")
-    configs = [c for c in CONFIGS if c in wanted and (draft_path or "draft" not in c)]
+    peer_ks = [int(k) for k in args.peer_k.split(",") if k] or [args.num_draft_tokens]
+    configs = []
+    for config in CONFIGS:
+        if config not in wanted or (not draft_path and "draft" in config):
+            continue
+        configs += [f"{config} k={k}" for k in peer_ks] if config == "mlx-lm+draft" else [config]
     if "mlx-lm" not in configs:
         configs.insert(0, "mlx-lm")  # the reference every output is checked against
 
@@ -151,36 +162,52 @@ def main(argv: list[str] | None = None) -> dict:
         f"device  {mx.default_device()}  BLAS {describe_blas()}  "
         f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r}"
     )
-    print(f"engine  {engine.describe()}")
     print(
         f"run     greedy, max_tokens={args.max_tokens}, repeats={args.repeats}, "
-        f"k<={args.num_draft_tokens}"
+        f"k<={args.num_draft_tokens}, {args.runs} run(s) with a fresh engine each"
     )
-
     if draft_path:
         target_rate, _ = run_mlx_lm(registry.target.model, tokenizer.encode("Hello"), 32)
         draft_rate, _ = run_mlx_lm(registry.draft.model, tokenizer.encode("Hello"), 32)
         print(f"cost    draft/target per token {target_rate / draft_rate:.2f} (plain decode)")
 
+    runs = []
+    for run in range(args.runs):
+        engine = fresh_engine(registry, args.num_draft_tokens)
+        print(f"engine  run {run + 1}: {engine.describe()}")
+        runs.append(run_sets(engine, registry, configs, args))
+    return report(runs, args.json)
+
+
+def fresh_engine(registry, k: int):
+    """A speculative engine as a fresh server builds it: costs measured at start-up."""
+    from engines.speculative import SpecConfig, SpeculativeEngine
+
+    engine = SpeculativeEngine(registry, SpecConfig(num_draft_tokens=k))
+    registry.transfer(engine.name)
+    return engine
+
+
+def run_sets(engine, registry, configs: list[str], args) -> dict[str, dict[str, Result]]:
+    """Every prompt of every set through every config, interleaved per prompt."""
+    tokenizer, target = registry.tokenizer, registry.target.model
     results: dict[str, dict[str, Result]] = {}
     for set_name in args.sets.split(","):
         rows = load_prompts(set_name)[: args.limit or None]
         results[set_name] = {c: Result() for c in configs}
-        run_mlx_lm(registry.target.model, encode_prompt(tokenizer, rows[0]), 8)  # warm-up
+        run_mlx_lm(target, encode_prompt(tokenizer, rows[0]), 8)  # warm-up
         for _ in range(args.repeats):
             for row in rows:
                 prompt_ids = encode_prompt(tokenizer, row)
-                rate, reference = run_mlx_lm(registry.target.model, prompt_ids, args.max_tokens)
+                rate, reference = run_mlx_lm(target, prompt_ids, args.max_tokens)
                 results[set_name]["mlx-lm"].rates.append(rate)
                 for config in configs[1:]:
                     result = results[set_name][config]
-                    if config == "mlx-lm+draft":
+                    if config.startswith("mlx-lm+draft"):
+                        k = int(config.rsplit("=", 1)[1])
+                        draft = registry.draft.model
                         rate, tokens = run_mlx_lm_draft(
-                            registry.target.model,
-                            registry.draft.model,
-                            prompt_ids,
-                            args.max_tokens,
-                            args.num_draft_tokens,
+                            target, draft, prompt_ids, args.max_tokens, k
                         )
                         result.rates.append(rate)
                         result.mismatches += tokens != reference
@@ -194,17 +221,32 @@ def main(argv: list[str] | None = None) -> dict:
                         result.accepted[method] = (
                             result.accepted.get(method, 0) + stats.accepted_tokens
                         )
-    return report(results, args.json)
+    return results
 
 
-def report(results: dict[str, dict[str, Result]], json_path: Path | None) -> dict:
-    table = {}
+def merged(runs: list[dict[str, dict[str, Result]]]) -> dict[str, dict[str, Result]]:
+    """All runs' samples per set and config."""
+    total: dict[str, dict[str, Result]] = {}
+    for results in runs:
+        for set_name, by_config in results.items():
+            for config, result in by_config.items():
+                into = total.setdefault(set_name, {}).setdefault(config, Result())
+                into.rates += result.rates
+                into.mismatches += result.mismatches
+                for method in result.drafted:
+                    into.drafted[method] = into.drafted.get(method, 0) + result.drafted[method]
+                    into.accepted[method] = into.accepted.get(method, 0) + result.accepted[method]
+    return total
+
+
+def report(runs: list[dict[str, dict[str, Result]]], json_path: Path | None) -> dict:
+    table: dict = {}
     print()
     print(
-        f"{'set':10} {'config':12} {'tok/s':>7} {'vs mlx-lm':>9} {'vs plain':>8}"
+        f"{'set':10} {'config':16} {'tok/s':>7} {'vs mlx-lm':>9} {'vs plain':>8}"
         "  acceptance (accepted/drafted)"
     )
-    for set_name, by_config in results.items():
+    for set_name, by_config in merged(runs).items():
         base = statistics.median(by_config["mlx-lm"].rates)
         plain = statistics.median(by_config["plain"].rates) if "plain" in by_config else None
         for config, result in by_config.items():
@@ -217,7 +259,7 @@ def report(results: dict[str, dict[str, Result]], json_path: Path | None) -> dic
             flag = f"  MISMATCH x{result.mismatches}" if result.mismatches else ""
             vs_plain = f"{rate / plain:7.2f}x" if plain else f"{'-':>8}"
             print(
-                f"{set_name:10} {config:12} {rate:7.2f} {rate / base:8.2f}x {vs_plain}"
+                f"{set_name:10} {config:16} {rate:7.2f} {rate / base:8.2f}x {vs_plain}"
                 f"  {acceptance}{flag}"
             )
             table.setdefault(set_name, {})[config] = {
@@ -229,9 +271,43 @@ def report(results: dict[str, dict[str, Result]], json_path: Path | None) -> dic
                 "accepted": result.accepted,
                 "greedy_mismatches": result.mismatches,
             }
+    if len(runs) > 1:
+        table["per_run"] = report_runs(runs)
     if json_path:
         json_path.write_text(json.dumps(table, indent=2))
     return table
+
+
+def report_runs(runs: list[dict[str, dict[str, Result]]]) -> dict:
+    """Per fresh engine: each Tandem config's speed-up over plain and over mlx-lm's best
+    fixed-k speculation, with the median and the spread (max/median - 1) over runs."""
+    out: dict = {}
+    print()
+    for set_name in runs[0]:
+        for config in runs[0][set_name]:
+            if config in ("mlx-lm", "plain") or config.startswith("mlx-lm+draft"):
+                continue
+            vs_plain, vs_peer = [], []
+            for results in runs:
+                by_config = results[set_name]
+                rate = statistics.median(by_config[config].rates)
+                if "plain" in by_config:
+                    vs_plain.append(rate / statistics.median(by_config["plain"].rates))
+                peers = [r for c, r in by_config.items() if c.startswith("mlx-lm+draft")]
+                if peers:
+                    vs_peer.append(rate / max(statistics.median(r.rates) for r in peers))
+            row = {"vs_plain": vs_plain, "vs_best_mlx_lm_draft": vs_peer}
+            out.setdefault(set_name, {})[config] = row
+            for name, values in row.items():
+                if values:
+                    middle = statistics.median(values)
+                    spread = max(abs(v / middle - 1) for v in values)
+                    runs_text = ", ".join(f"{v:.2f}" for v in values)
+                    print(
+                        f"{set_name:10} {config:10} {name:22} median {middle:.2f}x  "
+                        f"min {min(values):.2f}x  spread ±{spread:.0%}  runs [{runs_text}]"
+                    )
+    return out
 
 
 if __name__ == "__main__":

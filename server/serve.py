@@ -161,6 +161,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         strict_tool_calls=args.strict_tool_calls,
+        tool_call_grammar=args.tool_call_grammar,
     )
 
 

@@ -142,3 +142,28 @@ async def test_strict_tool_calls_leaves_the_untagged_json_as_text(qwen):
     choice = (await ask_chat(qwen, question(), strict_tool_calls=True)).choices[0]
     assert (choice.finish_reason, choice.message.tool_calls) == ("stop", None)
     assert json.loads(choice.message.content) == {"name": "get_weather", "arguments": PARIS}
+
+
+async def test_with_the_tool_call_grammar_the_call_still_comes_through(qwen):
+    choice = (await ask_chat(qwen, question(), tool_call_grammar="auto")).choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message.content
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", PARIS)
+
+
+def test_the_tool_call_grammar_on_qwen_triggers_on_its_special_token(qwen):
+    """<tool_call> is one added token in Qwen's vocabulary: the grammar takes it as the
+    trigger, holds the call to its schema, and refuses the tag spelled in plain tokens."""
+    tokenizer, compiler = qwen.model_info.tokenizer, qwen.model_info.grammar
+    constraint = compiler.text_or_tool_calls([TOOLS[0]["function"]], "<tool_call>", "</tool_call>")
+
+    def accepts(*pieces: str) -> bool:
+        ids = [i for p in pieces for i in tokenizer.encode(p, add_special_tokens=False)]
+        matcher = constraint.matcher.deep_copy()
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert len(tokenizer.encode("<tool_call>", add_special_tokens=False)) == 1
+    assert accepts("It is sunny.") and accepts(call) and accepts(f"Let me check.{call}")
+    assert not accepts(call.replace('"Paris"', "75"))
+    assert not accepts("x <", "tool", "_call>")

@@ -2,6 +2,7 @@
 
 tandem bench spec MODEL ...     in-process speculative speed-up suite (bench/spec.py)
 tandem bench single ...         one server process vs mlx-lm, single stream
+tandem bench grammar MODEL      per-token cost of --tool-call-grammar auto
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ def main(argv: list[str]) -> None:
         "single": "bench.single_stream",
         "serve": "bench.serve",
         "plot": "bench.plot",
+        "grammar": "bench.grammar_cost",
     }
     if not argv or argv[0] not in commands:
         print(__doc__)

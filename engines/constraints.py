@@ -107,6 +107,28 @@ class GrammarCompiler:
         """Exactly one tool call in the JSON-in-tags format (`<tool_call>` {"name": ...,
         "arguments": {...}} `</tool_call>`), to one of `functions` (chat-template
         function dicts: name, parameters), its arguments matching that tool's schema."""
+        rules = [f'start: {self._literal(start)} "\\n" call{self._closing(end)}']
+        return self._lark([*rules, f"call: %json {self._calls_schema(functions)}"], free_until)
+
+    def text_or_tool_calls(
+        self, functions: list[dict], start: str, end: str | None, free_until: int | None = None
+    ) -> Constraint:
+        """Free text with any number of tool calls in it, each in the JSON-in-tags
+        format of `tool_call` and valid for its tool. The text never spells the start
+        marker, so every call the output parser finds went through the grammar. A
+        marker that is a special token triggers the call; one that is plain text ends
+        the text as a lazy lexeme (llguidance's recipe for tool calls in free text)."""
+        call = f'"\\n" %json {self._calls_schema(functions)}{self._closing(end)}'
+        text = f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{regex_literal(start)}(.|\\n)*/"
+        literal = self._literal(start)
+        if literal == start:  # a special token
+            rules = [f"call: TEXT {literal} {call}"]
+        else:
+            rules = [f"call_start[lazy]: TEXT {literal}", f"call: call_start {call}"]
+        return self._lark(["%llguidance {}", "start: call* TEXT", *rules, text], free_until)
+
+    def _calls_schema(self, functions: list[dict]) -> str:
+        """One call to one of `functions`, as a JSON schema (json.dumps' layout)."""
         variants = [
             {
                 "type": "object",
@@ -120,15 +142,14 @@ class GrammarCompiler:
             for function in functions
         ]
         schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-        schema = {**schema, "x-guidance": JSON_STYLE}
-        closing = f' "\\n" {self._literal(end)}' if end else ""
-        rules = [
-            f'start: {self._literal(start)} "\\n" call{closing}',
-            f"call: %json {json.dumps(schema)}",
-        ]
-        lark = "\n".join(rules)
+        return json.dumps({**schema, "x-guidance": JSON_STYLE})
+
+    def _closing(self, end: str | None) -> str:
+        return f' "\\n" {self._literal(end)}' if end else ""
+
+    def _lark(self, rules: list[str], free_until: int | None) -> Constraint:
         with rejected_as_invalid():
-            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+            grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(rules))
         return self._compiled(grammar, free_until)
 
     def _literal(self, marker: str) -> str:
@@ -151,6 +172,12 @@ class GrammarCompiler:
         return GrammarProcessor(
             matcher.deep_copy(), vocab, prompt_length, eos, constraint.free_until
         )
+
+
+def regex_literal(text: str) -> str:
+    """`text` as a regex matching itself, every non-alphanumeric character escaped by
+    code point (safe inside lark's /.../)."""
+    return "".join(c if c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
 
 
 def new_matcher(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:

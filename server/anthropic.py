@@ -423,6 +423,7 @@ def to_job(request: Request, body: MessagesRequest, model: str) -> MessageJob:
         markers,
         info,
         rendered.starts_in_reasoning,
+        config_of(request).tool_call_grammar == "auto",
     )
     gen = replace(gen, constraint=constraint)
     return MessageJob(gen, model, tools, rendered.starts_in_reasoning)

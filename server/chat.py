@@ -123,7 +123,14 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
         logprobs=logprobs,
     )
     constraint = output_constraint(
-        schema, "response_format", forced, tools, markers, info, rendered.starts_in_reasoning
+        schema,
+        "response_format",
+        forced,
+        tools,
+        markers,
+        info,
+        rendered.starts_in_reasoning,
+        config.tool_call_grammar == "auto",
     )
     gen = replace(gen, constraint=constraint)
     return ChatJob(gen, model, tools, rendered.starts_in_reasoning, info.tokenizer)

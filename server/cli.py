@@ -126,6 +126,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto (inferred from the chat template), none, or an mlx_lm.tool_parsers module",
     )
     parser.add_argument(
+        "--strict-tool-calls",
+        action="store_true",
+        help="recognise only tool calls in the model's tags; without this, a reply that is "
+        "just a call's JSON (bare or in a ```json fence) naming an offered tool is a call too",
+    )
+    parser.add_argument(
+        "--tool-call-grammar",
+        default="off",
+        choices=["off", "auto"],
+        help="auto: with tools on offer and tool_choice auto, constrain the output to free "
+        "text with tagged calls whose arguments match their schemas (JSON-in-tags formats)",
+    )
+    parser.add_argument(
         "--reasoning-parser",
         default="auto",
         choices=["auto", "none", "think", "deepseek_r1"],

@@ -28,4 +28,6 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     tool_call_parser: str = "auto"  # auto (from the chat template), none, or an mlx-lm parser
     reasoning_parser: str = "auto"  # auto (from the vocabulary), none, think, deepseek_r1
+    strict_tool_calls: bool = False  # only tagged tool calls; untagged JSON calls stay text
+    tool_call_grammar: str = "off"  # auto: tagged calls under tool_choice auto are enforced
     responses_store_bytes: int = 32 << 20  # bound on stored Responses (also 256 entries)

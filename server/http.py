@@ -168,5 +168,6 @@ def output_markers(request: Request):
             model_info_of(request).tokenizer,
             config.tool_call_parser,
             config.reasoning_parser,
+            config.strict_tool_calls,
         )
     return state.output_markers

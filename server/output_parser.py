@@ -4,8 +4,9 @@ Built on mlx-lm's `TextStateMachine` (text-level matching of markers such as
 `<think>` and `<tool_call>`, holding back partial markers) and its tool parsers
 (`mlx_lm.tool_parsers.*.parse_tool_call`). Markers come from the tokenizer (what
 mlx-lm infers from the chat template and vocabulary) unless overridden with
---tool-call-parser / --reasoning-parser. Every API surface formats the same
-`ParsedDelta`s in its own shape.
+--tool-call-parser / --reasoning-parser. Calls written without their tags are
+recognised in the plain-text part (server/untagged_tool_calls.py) unless
+--strict-tool-calls. Every API surface formats the same `ParsedDelta`s in its own shape.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 
 from mlx_lm.generate import TextStateMachine
 
+from server.untagged_tool_calls import UntaggedCalls
+
 log = logging.getLogger(__name__)
 
 NORMAL, REASONING, TOOL = "normal", "reasoning", "tool"
@@ -28,16 +31,23 @@ REASONING_PARSERS = {"think": ("<think>", "</think>"), "deepseek_r1": ("<think>"
 
 @dataclass(frozen=True)
 class OutputMarkers:
-    """Which markers this model uses; None disables that split."""
+    """Which markers this model uses; None disables that split. `untagged`: also
+    recognise tool calls written without their markers."""
 
     think: tuple[str, str] | None = None
     tool: tuple[str, str | None] | None = None
     tool_parser: Callable[[str, Any], Any] | None = None
+    untagged: bool = True
 
     @classmethod
     def for_tokenizer(
-        cls, tokenizer: Any, tool_call_parser: str = "auto", reasoning_parser: str = "auto"
+        cls,
+        tokenizer: Any,
+        tool_call_parser: str = "auto",
+        reasoning_parser: str = "auto",
+        strict_tool_calls: bool = False,
     ) -> OutputMarkers:
+        """`tool_call_parser` "none" turns off tool-call parsing, untagged calls too."""
         think = None
         if reasoning_parser == "auto" and tokenizer.has_thinking:
             think = (tokenizer.think_start, tokenizer.think_end)
@@ -52,7 +62,8 @@ class OutputMarkers:
         elif tool_call_parser not in ("auto", "none"):
             module = importlib.import_module(f"mlx_lm.tool_parsers.{tool_call_parser}")
             tool, parser = (module.tool_call_start, module.tool_call_end), module.parse_tool_call
-        return cls(think, tool, parser)
+        untagged = not strict_tool_calls and tool_call_parser != "none"
+        return cls(think, tool, parser, untagged)
 
 
 @dataclass
@@ -81,7 +92,9 @@ class ParsedDelta:
 
 class OutputParser:
     """Feed text deltas; get back what is safe to emit, split by kind. Tool calls are
-    parsed only when the request offered tools; otherwise their markup is content."""
+    parsed only when the request offered tools; otherwise their markup is content.
+    Forced calls (tool_choice required / named) are tagged by their grammar, so only
+    tool_choice auto ever leaves an untagged call to recognise."""
 
     def __init__(
         self,
@@ -106,6 +119,7 @@ class OutputParser:
         self.state = self.machine.make_state(initial)
         self.tool_text = ""
         self.tool_calls_emitted = 0
+        self.untagged = UntaggedCalls(tools) if tools and markers.untagged else None
 
     def feed(self, text: str) -> ParsedDelta:
         self.state, segments = TextStateMachine.split(self.state, text)
@@ -129,20 +143,34 @@ class OutputParser:
         delta = self._collect([(current, held)])
         if self.tool_text.strip():
             self._complete_tool_call(delta)
+        if self.untagged:
+            delta.content += self.untagged.finish()
         return delta
 
     def _collect(self, segments: list[tuple[str | None, str]]) -> ParsedDelta:
         delta = ParsedDelta()
         for index, (state, text) in enumerate(segments):
+            if state in (REASONING, TOOL) and self.untagged:
+                delta.content += self.untagged.interrupt()
             if state == REASONING:
                 delta.reasoning += text
             elif state == TOOL:
                 self.tool_text += text
                 if index < len(segments) - 1:  # the machine left the tool state
                     self._complete_tool_call(delta)
+            elif self.untagged:
+                self._plain_text(text, delta)
             else:
                 delta.content += text
         return delta
+
+    def _plain_text(self, text: str, delta: ParsedDelta) -> None:
+        """Text outside any markers: content, unless it is an untagged tool call."""
+        content, calls = self.untagged.feed(text)
+        delta.content += content
+        for name, arguments in calls:
+            delta.tool_calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
+            self.tool_calls_emitted += 1
 
     def _complete_tool_call(self, delta: ParsedDelta) -> None:
         text, self.tool_text = self.tool_text, ""

@@ -301,7 +301,14 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
         new_item_id("resp"), body, rendered.ids, max_tokens, len(info.tokenizer), "responses"
     )
     constraint = output_constraint(
-        schema, "text.format", forced, tools, markers, info, rendered.starts_in_reasoning
+        schema,
+        "text.format",
+        forced,
+        tools,
+        markers,
+        info,
+        rendered.starts_in_reasoning,
+        config.tool_call_grammar == "auto",
     )
     gen = replace(gen, constraint=constraint)
     return ResponsesJob(gen, model, body, conversation, tools, rendered.starts_in_reasoning, scope)

@@ -160,6 +160,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        strict_tool_calls=args.strict_tool_calls,
+        tool_call_grammar=args.tool_call_grammar,
     )
 
 

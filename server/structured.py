@@ -9,11 +9,14 @@ free and constrains what follows `</think>`.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from engines.errors import InvalidRequest
 from engines.request import Constraint
-from server.errors import bad_request
+from server.errors import ApiError, bad_request
+
+log = logging.getLogger(__name__)
 
 ANY_OBJECT = {"type": "object"}
 JSON_TOOLS = "mlx_lm.tool_parsers.json_tools"
@@ -101,9 +104,11 @@ def output_constraint(
     markers,
     info,
     starts_in_reasoning: bool,
+    tool_grammar: bool = False,
 ) -> Constraint | None:
-    """What the output must match: a forced tool call, a JSON schema, or nothing.
-    `forced` is (forced, tool name) from the surface's tool_choice."""
+    """What the output must match: a forced tool call, a JSON schema, free text with
+    valid tool calls (`tool_grammar`, with tools on offer), or nothing. `forced` is
+    (forced, tool name) from the surface's tool_choice."""
     forcing, name = forced
     if forcing and schema is not None:
         raise bad_request(f"{schema_param} cannot apply to a forced tool call", "tool_choice")
@@ -111,6 +116,8 @@ def output_constraint(
         return forced_tool_constraint(
             tools, name, markers, info.grammar, info.tokenizer, starts_in_reasoning
         )
+    if tool_grammar and tools and schema is None:
+        return text_or_tool_calls_constraint(tools, markers, info, starts_in_reasoning)
     return constraint_for(
         schema, markers, info.grammar, info.tokenizer, starts_in_reasoning, schema_param
     )
@@ -149,6 +156,26 @@ def forced_tool_constraint(
         )
     except InvalidRequest as exc:
         raise bad_request(f"cannot force this tool call: {exc}", param) from None
+
+
+def text_or_tool_calls_constraint(
+    tools: list[dict], markers, info, starts_in_reasoning: bool
+) -> Constraint | None:
+    """--tool-call-grammar auto with tool_choice auto: free text, and any tagged call in
+    it valid for its tool. Only for JSON-in-tags formats; where that cannot be built
+    (another format, a schema llguidance refuses) the request runs unconstrained, as it
+    would without the flag: the client did not ask for enforcement."""
+    parser = markers.tool_parser
+    if markers.tool is None or getattr(parser, "__module__", "") != JSON_TOOLS:
+        return None
+    start, end = markers.tool
+    functions = [tool.get("function", tool) for tool in tools]
+    try:
+        free_until = _free_until(info.tokenizer, markers, starts_in_reasoning, "tools")
+        return info.grammar.text_or_tool_calls(functions, start, end, free_until)
+    except (InvalidRequest, ApiError) as exc:
+        log.warning("tool calls left unconstrained: %s", exc)
+        return None
 
 
 def _free_until(tokenizer, markers, starts_in_reasoning: bool, param: str) -> int | None:

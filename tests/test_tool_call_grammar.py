@@ -1,0 +1,178 @@
+"""--tool-call-grammar auto: with tools on offer and tool_choice auto, the output is free
+text in which every tagged tool call is valid for its tool. The grammar on the tiny
+tokenizer (where <tool_call> is plain text), then over HTTP with the tiny model forced
+to write a call with bad arguments."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engines.constraints import GrammarCompiler
+from tests.conftest import make_client, start_scheduler
+from tests.forcing import forcing_factory
+
+WEATHER = {
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"],
+    },
+}
+TIME = {"name": "get_time", "parameters": {"type": "object"}}
+GOOD = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+)
+BAD_ARGUMENTS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": 1}}\n</tool_call>'
+UNTAGGED = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+@pytest.fixture(scope="module")
+def free_text_or_calls(reference):
+    compiler = GrammarCompiler(reference.tokenizer)
+    return compiler.text_or_tool_calls([WEATHER, TIME], "<tool_call>", "</tool_call>")
+
+
+def accepts(constraint, tokenizer, *pieces: str) -> bool:
+    """Whether the grammar takes the text written as these pieces, each tokenized apart,
+    and could end there."""
+    ids = [i for piece in pieces for i in tokenizer.encode(piece, add_special_tokens=False)]
+    matcher = constraint.matcher.deep_copy()
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "Just text, with <tags> and {braces}.",
+        GOOD,
+        f"Checking.{GOOD}\n{GOOD}\nDone.",
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+        UNTAGGED,  # not tagged: free text, for the untagged recogniser
+    ],
+)
+def test_free_text_and_valid_tagged_calls_are_allowed(free_text_or_calls, reference, text):
+    assert accepts(free_text_or_calls, reference.tokenizer, text)
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        (BAD_ARGUMENTS,),
+        ('<tool_call>\n{"name": "get_forecast", "arguments": {}}\n</tool_call>',),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>',),  # no city
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',),  # unclosed
+        ("Text, then <tool_call>", " and more text"),
+        ("Spelled apart: <", "tool", "_call>", "\n{}"),
+    ],
+)
+def test_a_tagged_call_must_be_valid_and_closed(free_text_or_calls, reference, pieces):
+    assert not accepts(free_text_or_calls, reference.tokenizer, *pieces)
+
+
+SCRIPTS = {"bad": BAD_ARGUMENTS, "good": GOOD, "untagged": UNTAGGED, "plain": "Just text."}
+TOOLS = [{"type": "function", "function": WEATHER}]
+
+
+@pytest.fixture(scope="module")
+def forced(tiny_model_dir, reference):
+    scheduler = start_scheduler(
+        tiny_model_dir, logits_processor_factory=forcing_factory(reference.tokenizer, SCRIPTS)
+    )
+    yield scheduler
+    scheduler.stop()
+
+
+async def chat(scheduler, script: str, **config) -> dict:
+    async with make_client(scheduler, **config) as client:
+        response = await client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": f"Weather? FORCE:{script}"}],
+                "tools": TOOLS,
+                "max_tokens": 100,
+                "temperature": 0,
+            },
+        )
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+async def test_without_the_grammar_a_call_with_bad_arguments_goes_through(forced):
+    (call,) = (await chat(forced, "bad"))["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": 1}
+
+
+async def test_the_grammar_keeps_bad_arguments_out_of_a_tagged_call(forced):
+    choice = await chat(forced, "bad", tool_call_grammar="auto")
+    for call in choice["message"].get("tool_calls") or []:
+        assert isinstance(json.loads(call["function"]["arguments"])["city"], str)
+    assert choice["message"]["content"] != BAD_ARGUMENTS
+
+
+async def post(scheduler, path: str, body: dict, **config) -> dict:
+    async with make_client(scheduler, **config) as client:
+        response = await client.post(path, json={**body, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def responses_calls(body: dict) -> list[dict]:
+    return [json.loads(i["arguments"]) for i in body["output"] if i["type"] == "function_call"]
+
+
+def anthropic_calls(body: dict) -> list[dict]:
+    return [block["input"] for block in body["content"] if block["type"] == "tool_use"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "calls"),
+    [
+        (
+            "/v1/responses",
+            {"input": "Weather? FORCE:bad", "tools": [{"type": "function", **WEATHER}]},
+            responses_calls,
+        ),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 100,
+                "messages": [{"role": "user", "content": "Weather? FORCE:bad"}],
+                "tools": [{"name": "get_weather", "input_schema": WEATHER["parameters"]}],
+            },
+            anthropic_calls,
+        ),
+    ],
+)
+async def test_the_grammar_applies_on_responses_and_anthropic_too(forced, path, body, calls):
+    assert calls(await post(forced, path, body)) == [{"city": 1}]
+    for arguments in calls(await post(forced, path, body, tool_call_grammar="auto")):
+        assert isinstance(arguments["city"], str)
+
+
+@pytest.mark.parametrize("script", ["good", "untagged", "plain"])
+async def test_the_grammar_leaves_valid_output_alone(forced, script):
+    plain = outcome(await chat(forced, script))
+    assert outcome(await chat(forced, script, tool_call_grammar="auto")) == plain
+    assert bool(plain[2]) == (script != "plain")
+
+
+def outcome(choice: dict) -> tuple:
+    """What a client sees, less the random call ids."""
+    calls = choice["message"].get("tool_calls") or []
+    named = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+    return choice["finish_reason"], choice["message"]["content"], named
+
+
+def test_tool_call_grammar_is_a_flag_that_reaches_the_config():
+    from server.cli import build_parser
+    from server.serve import build_config
+
+    def config(*flags: str):
+        return build_config(build_parser().parse_args(["serve", "/models/m", *flags]))
+
+    assert config().tool_call_grammar == "off"
+    assert config("--tool-call-grammar", "auto").tool_call_grammar == "auto"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -26,6 +27,7 @@ from engines.drafters import DRAFT
 MIN_SPEEDUP = 1.03  # a draft length must beat plain decoding by this much
 TRUSTED_ACCEPTANCE = 0.5  # a draft model accepted this often drafts until measured slower
 PLAIN = "plain"
+Calibration = Callable[[int], float] | None  # k -> measured / predicted speed-up
 
 
 @dataclass(frozen=True)
@@ -142,11 +144,14 @@ def speedup(alpha: float, k: int, cost: CostModel, method: str) -> float:
     return expected_tokens(alpha, k) / cost.step_cost(k, method)
 
 
-def best_draft_length(alpha: float, k_max: int, cost: CostModel, method: str) -> int:
-    """The k in 1..k_max with the best tokens-per-cost, or 0 if none beats plain."""
+def best_draft_length(
+    alpha: float, k_max: int, cost: CostModel, method: str, calibration: Calibration = None
+) -> int:
+    """The k in 1..k_max with the best tokens-per-cost, or 0 if none beats plain;
+    `calibration(k)` corrects each prediction by how far it was off when served."""
     best_k, best = 0, MIN_SPEEDUP
     for k in range(1, k_max + 1):
-        gain = speedup(alpha, k, cost, method)
+        gain = speedup(alpha, k, cost, method) * (calibration(k) if calibration else 1.0)
         if gain > best:
             best_k, best = k, gain
     return best_k
@@ -184,31 +189,35 @@ class MethodGate:
     probe_k: int = 2
     last_k: int = 0  # the draft length of the latest verify
 
-    def draft_length(self, k_max: int, cost: CostModel, realized: float | None = None) -> int:
+    def draft_length(self, k_max: int, cost: CostModel, measured: Measured | None = None) -> int:
         """How many tokens to draft this step (0 = do not draft with this method). An open
         gate that finds no k worth drafting closes, so the steps until its probe are
         pipelined plain steps: a gate that is open but never drafts would cost every
         step its pipelining and gather no evidence."""
         if self.open:
-            k = self.open_length(k_max, cost, realized)
+            k = self.open_length(k_max, cost, measured)
             if k == 0:
                 self.open, self.cooldown = False, self.backoff
             return k
         return min(self.probe_k, k_max) if self.cooldown <= 0 else 0
 
-    def open_length(self, k_max: int, cost: CostModel, realized: float | None) -> int:
-        """The predicted best k, unless what was measured says otherwise: `realized` is
-        the measured speed-up of drafting with this method over plain steps (None until
-        both were measured). A prediction that measurement contradicts is not trusted,
-        and a draft model accepted at least half the time drafts until measured slower."""
-        predicted = best_draft_length(self.alpha, k_max, cost, self.method)
-        if realized is None:
+    def open_length(self, k_max: int, cost: CostModel, measured: Measured | None) -> int:
+        """The predicted best k, unless what was measured says otherwise (`measured`:
+        drafting with this method against plain steps as served, None until both were
+        seen). Each k's prediction is corrected by how far it was off when served (the
+        cost model misses per-step overheads; real acceptance comes in runs, not
+        independently per position), a prediction that measurement contradicts is not
+        trusted, and a draft model accepted at least half the time drafts until
+        measured slower."""
+        calibration = measured.calibration if measured else None
+        predicted = best_draft_length(self.alpha, k_max, cost, self.method, calibration)
+        if measured is None:
             if predicted == 0 and self.method == DRAFT and self.alpha >= TRUSTED_ACCEPTANCE:
                 return min(self.probe_k, k_max)
             return predicted
-        if realized < 1.0:
+        if measured.speedup < 1.0:
             return 0
-        if predicted == 0 and realized >= MIN_SPEEDUP:
+        if predicted == 0 and measured.speedup >= MIN_SPEEDUP:
             return min(max(self.probe_k, self.last_k), k_max)
         return predicted
 
@@ -218,7 +227,7 @@ class MethodGate:
         accepted: int,
         k_max: int,
         cost: CostModel,
-        realized: float | None = None,
+        measured: Measured | None = None,
     ) -> bool:
         """Update after a verify; returns True if this closed the gate (a trip)."""
         self.last_k = drafted
@@ -226,7 +235,7 @@ class MethodGate:
         for i in range(attempts):
             hit = 1.0 if i < accepted else 0.0
             self.alpha += self.weight * (hit - self.alpha)
-        pays = self.open_length(k_max, cost, realized) > 0
+        pays = self.open_length(k_max, cost, measured) > 0
         was_open, self.open = self.open, pays
         if pays:
             self.backoff = self.min_backoff
@@ -346,23 +355,41 @@ class OnlineCosts:
         return CostModel(tuple(monotone_fit(ratios)), draft, base.plain_seconds)
 
 
+@dataclass(frozen=True)
+class Measured:
+    """What drafting with a method gave as served: its speed-up over plain steps, and
+    per draft length k how its measured speed-up compared with the prediction."""
+
+    speedup: float
+    factors: dict[int, float]
+
+    def calibration(self, k: int) -> float:
+        return self.factors.get(k, 1.0)
+
+
 @dataclass
 class RealizedRates:
     """Committed tokens per second as served, for plain steps and for drafting steps by
     method: what drafting actually gave, beside what the cost model predicts.
 
-    Running averages of seconds and of tokens per step (their ratio is the rate).
-    `plain_probe_due` asks the engine for a few plain steps now and then while drafting
-    runs without pause, so the comparison never goes stale (an A/B probe costs a few
-    plain steps in `stale_after` drafting steps)."""
+    Running averages of seconds and of tokens per step (their ratio is the rate), and
+    per draft length k of the real and the predicted tokens and costs (in plain steps),
+    whose ratio calibrates that k's prediction. `plain_probe_due` asks the engine for a
+    few plain steps now and then while drafting runs without pause, and `explore_k` for
+    a step at another k now and then, so no comparison goes stale (each costs a few
+    steps in `stale_after`)."""
 
     weight: float = 0.1
     min_steps: int = 4
     stale_after: int = 48
+    explore_every: int = 8
     seconds: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, float] = field(default_factory=dict)
     steps: dict[str, int] = field(default_factory=dict)
     since_plain: int = 0
+    by_k: dict[int, list[float]] = field(default_factory=dict)  # real/predicted tok, cost
+    k_steps: dict[int, int] = field(default_factory=dict)
+    explored: int = 0
 
     @classmethod
     def starting_from(cls, plain_seconds: float) -> RealizedRates:
@@ -384,6 +411,24 @@ class RealizedRates:
             average[kind] = value if old is None else old + self.weight * (value - old)
         self.since_plain = 0 if kind == PLAIN else self.since_plain + 1
 
+    def observe_draft(
+        self, method: str, k: int, seconds: float, tokens: int, predicted: tuple[float, float]
+    ) -> None:
+        """A drafting step of length k: its real seconds and committed tokens, and the
+        (tokens, cost in plain steps) predicted for it."""
+        self.observe(method, seconds, tokens)
+        plain = self.seconds.get(PLAIN)
+        if plain is None:
+            return
+        values = (float(tokens), seconds / plain, *predicted)
+        old = self.by_k.get(k)
+        self.by_k[k] = (
+            list(values)
+            if old is None
+            else [o + self.weight * (v - o) for o, v in zip(old, values, strict=True)]
+        )
+        self.k_steps[k] = self.k_steps.get(k, 0) + 1
+
     def rate(self, kind: str) -> float | None:
         if self.steps.get(kind, 0) <= self.min_steps:
             return None
@@ -394,8 +439,35 @@ class RealizedRates:
         plain, drafting = self.rate(PLAIN), self.rate(method)
         return None if plain is None or drafting is None else drafting / plain
 
+    def measured(self, method: str) -> Measured | None:
+        speedup = self.speedup(method)
+        if speedup is None:
+            return None
+        factors = {
+            k: (tokens / cost) / (predicted_tokens / predicted_cost)
+            for k, (tokens, cost, predicted_tokens, predicted_cost) in list(self.by_k.items())
+            if self.k_steps[k] > self.min_steps
+        }
+        return Measured(speedup, factors)
+
     def plain_probe_due(self) -> bool:
         return self.steps.get(PLAIN, 0) <= self.min_steps or self.since_plain >= self.stale_after
 
+    def explore_k(self, k_max: int) -> int | None:
+        """Every `explore_every` drafting steps, the draft length seen least (so every k's
+        calibration keeps being measured); otherwise None."""
+        self.explored += 1
+        if self.explored < self.explore_every:
+            return None
+        self.explored = 0
+        return min(range(1, k_max + 1), key=lambda k: (self.k_steps.get(k, 0), k))
+
     def snapshot(self) -> dict:
-        return {kind: round(rate, 2) for kind in sorted(self.steps) if (rate := self.rate(kind))}
+        kinds = sorted(list(self.steps))  # one atomic copy: the engine thread adds keys
+        rates = {kind: round(rate, 2) for kind in kinds if (rate := self.rate(kind))}
+        measured = self.measured(DRAFT)
+        if measured is not None:
+            rates["draft_calibration_by_k"] = {
+                k: round(f, 3) for k, f in sorted(list(measured.factors.items()))
+            }
+        return rates

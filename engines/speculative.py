@@ -35,9 +35,11 @@ from engines.drafters import (
 from engines.gates import (
     PLAIN,
     CostModel,
+    Measured,
     MethodGate,
     OnlineCosts,
     RealizedRates,
+    expected_tokens,
     prompt_repetition_score,
     speedup,
 )
@@ -93,6 +95,7 @@ class _Active:
     in_flight_logprobs: mx.array | None = None  # the distribution it was sampled from
     history: mx.array | None = None  # tokens in the cache (+ in flight), for penalties
     forced_plain: int = 0  # plain tokens still to run for an A/B probe
+    predicted: tuple[float, float] = (0.0, 0.0)  # this step's draft: tokens, cost predicted
 
     @property
     def tokens(self) -> list[int]:
@@ -248,7 +251,9 @@ class SpeculativeEngine:
                 self.costs.observe_verify(len(draft.tokens) + 1, finished - proposed)
                 if self.realized is not None and draft.method == DRAFT:
                     committed = sum(len(o.token_ids) for o in outputs)
-                    self.realized.observe(DRAFT, finished - started, committed)
+                    self.realized.observe_draft(
+                        DRAFT, len(draft.tokens), finished - started, committed, active.predicted
+                    )
                 return outputs
             active.in_flight, active.in_flight_logprobs = self._forward_and_sample(
                 active, mx.array(active.tokens[-1:]), len(active.seq.generated)
@@ -315,10 +320,10 @@ class SpeculativeEngine:
     def _next_step_is_plain(self, active: _Active) -> bool:
         return active.forced_plain > 0 or not any(gate.due for gate in active.gates.values())
 
-    def _realized(self, method: str) -> float | None:
-        """Measured speed-up of the draft model over plain steps (other methods: None;
-        PLD pays or not by its request's content, which the server's average hides)."""
-        return self.realized.speedup(method) if self.realized and method == DRAFT else None
+    def _measured(self, method: str) -> Measured | None:
+        """What drafting with the draft model gave as served (other methods: None; PLD
+        pays or not by its request's content, which the server's average hides)."""
+        return self.realized.measured(method) if self.realized and method == DRAFT else None
 
     # ---- drafting and verification ---------------------------------------------
 
@@ -332,9 +337,12 @@ class SpeculativeEngine:
             active.forced_plain = 4  # an A/B probe: plain steps to compare drafting with
             return None
         pld_draft = self._propose_pld(active, k_max) if PLD in active.gates else None
-        k = gate.draft_length(k_max, self.cost, self._realized(DRAFT)) if gate is not None else 0
+        k = gate.draft_length(k_max, self.cost, self._measured(DRAFT)) if gate is not None else 0
         if k == 0 or (pld_draft is not None and self._prefer_pld(active, pld_draft, k)):
             return pld_draft
+        if self.realized is not None and gate.open:
+            k = self.realized.explore_k(k_max) or k  # now and then, another k to calibrate
+        active.predicted = (expected_tokens(gate.alpha, k), self.cost.step_cost(k, DRAFT))
         return self.drafter.propose(
             active.draft,
             active.tokens,
@@ -435,8 +443,8 @@ class SpeculativeEngine:
         active.seq.spec.record(draft.method, k, accepted)
         self.totals.record(draft.method, k, accepted)
         gate = active.gates[draft.method]
-        realized = self._realized(draft.method)
-        if gate.record(k, accepted, self._request_k(active.seq), self.cost, realized):
+        measured = self._measured(draft.method)
+        if gate.record(k, accepted, self._request_k(active.seq), self.cost, measured):
             active.seq.spec.trip("runtime")
             self.totals.trip("runtime")
 

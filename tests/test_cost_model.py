@@ -18,6 +18,7 @@ from engines.drafters import DRAFT, PLD
 from engines.gates import (
     PLAIN,
     CostModel,
+    Measured,
     MethodGate,
     OnlineCosts,
     RealizedRates,
@@ -137,17 +138,17 @@ OPTIMISTIC = CostModel((1.0, 1.05, 1.1, 1.15, 1.2), draft_step=0.05)
 def test_a_prediction_that_measurement_contradicts_is_not_trusted():
     gate = MethodGate(DRAFT, alpha=0.8, last_k=3)
     assert best_draft_length(0.8, 4, PESSIMISTIC, DRAFT) == 0
-    assert gate.open_length(4, PESSIMISTIC, realized=1.4) == 3  # measured faster: draft
+    assert gate.open_length(4, PESSIMISTIC, Measured(1.4, {})) == 3  # measured faster: draft
     assert best_draft_length(0.8, 4, OPTIMISTIC, DRAFT) > 0
-    assert gate.open_length(4, OPTIMISTIC, realized=0.8) == 0  # measured slower: do not
-    assert gate.record(3, 0, 4, OPTIMISTIC, realized=0.8) is True  # and the gate closes
+    assert gate.open_length(4, OPTIMISTIC, Measured(0.8, {})) == 0  # measured slower: do not
+    assert gate.record(3, 0, 4, OPTIMISTIC, Measured(0.8, {})) is True  # and the gate closes
 
 
 def test_a_draft_accepted_half_the_time_drafts_until_measured_slower():
     draft_gate, pld_gate = MethodGate(DRAFT, alpha=0.6), MethodGate(PLD, alpha=0.6)
-    assert draft_gate.open_length(4, PESSIMISTIC, realized=None) == draft_gate.probe_k
-    assert pld_gate.open_length(4, PESSIMISTIC, realized=None) == 0
-    assert MethodGate(DRAFT, alpha=0.3).open_length(4, PESSIMISTIC, realized=None) == 0
+    assert draft_gate.open_length(4, PESSIMISTIC, None) == draft_gate.probe_k
+    assert pld_gate.open_length(4, PESSIMISTIC, None) == 0
+    assert MethodGate(DRAFT, alpha=0.3).open_length(4, PESSIMISTIC, None) == 0
 
 
 def test_realized_rates_compare_drafting_with_plain_and_ask_for_probes():
@@ -219,3 +220,32 @@ def test_a_draft_the_startup_measurement_misjudged_still_drafts_and_stays_exact(
     plain = [t for t, _ in generate_step(mx.array(prompt), tiny, max_tokens=48)]
     assert seq.generated == plain
     assert seq.spec.accepted_tokens >= 24, seq.spec
+
+
+def test_each_draft_length_is_judged_by_what_it_gave_when_served():
+    """The cost model says one drafted token is best for a draft accepted 55% of the
+    time; served, acceptance came in runs and four tokens gave more. Once each length
+    was measured a few times, the gate drafts four."""
+    cost = CostModel((1.0, 1.21, 1.48, 1.79, 1.79), draft_step=0.08)
+    gate = MethodGate(DRAFT, alpha=0.55)
+    assert gate.open_length(4, cost, None) == 1  # the prediction alone
+    rates = RealizedRates.starting_from(plain_seconds=0.040)
+    for _ in range(rates.min_steps + 2):
+        # k=1: 1.55 tokens per step, as predicted, but at 1.42 plain steps, not 1.29
+        rates.observe_draft(DRAFT, 1, 0.040 * 1.42, 1.55, (1.55, 1.29))
+        # k=4: 2.6 tokens per step where 2.11 were predicted, at the predicted cost
+        rates.observe_draft(DRAFT, 4, 0.040 * 2.11, 2.6, (2.11, 2.11))
+    measured = rates.measured(DRAFT)
+    assert measured.calibration(1) == pytest.approx(1.29 / 1.42, rel=0.01)
+    assert measured.calibration(4) == pytest.approx(2.6 / 2.11, rel=0.01)
+    assert measured.calibration(2) == 1.0  # never measured: the prediction stands
+    assert gate.open_length(4, cost, measured) == 4
+
+
+def test_exploration_visits_the_draft_length_seen_least():
+    rates = RealizedRates.starting_from(plain_seconds=0.04)
+    for k in (3, 3, 1, 2):
+        rates.observe_draft(DRAFT, k, 0.05, 2, (2.0, 1.5))
+    picks = [rates.explore_k(4) for _ in range(rates.explore_every)]
+    assert picks[:-1] == [None] * (rates.explore_every - 1)
+    assert picks[-1] == 4  # never seen

@@ -242,14 +242,16 @@ class SpeculativeEngine:
             draft = self._propose(active)
             if draft is not None:
                 proposed = time.perf_counter()
-                if draft.method == DRAFT and active.draft.caught_up <= 2:
-                    # Only steady proposals: a catch-up prefill (new request, return
-                    # from batching) is not what each drafted token costs.
+                # Only steady proposals: a catch-up prefill of the draft (new request,
+                # return from batching) is a once-per-request cost like the prompt's
+                # prefill, not what a drafting step costs.
+                steady = draft.method != DRAFT or active.draft.caught_up <= 2
+                if draft.method == DRAFT and steady:
                     self.costs.observe_draft(len(draft.tokens), proposed - started)
                 outputs = self._verify(active, draft)
                 finished = time.perf_counter()
                 self.costs.observe_verify(len(draft.tokens) + 1, finished - proposed)
-                if self.realized is not None and draft.method == DRAFT:
+                if self.realized is not None and draft.method == DRAFT and steady:
                     committed = sum(len(o.token_ids) for o in outputs)
                     self.realized.observe_draft(
                         DRAFT, len(draft.tokens), finished - started, committed, active.predicted

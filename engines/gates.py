@@ -26,6 +26,8 @@ from engines.drafters import DRAFT
 
 MIN_SPEEDUP = 1.03  # a draft length must beat plain decoding by this much
 TRUSTED_ACCEPTANCE = 0.5  # a draft model accepted this often drafts until measured slower
+MEASURED_SLOWER = 0.95  # measured drafting speed-up below which drafting stops: clearly
+# slower, not the noise of a running average near 1
 PLAIN = "plain"
 Calibration = Callable[[int], float] | None  # k -> measured / predicted speed-up
 
@@ -215,7 +217,7 @@ class MethodGate:
             if predicted == 0 and self.method == DRAFT and self.alpha >= TRUSTED_ACCEPTANCE:
                 return min(self.probe_k, k_max)
             return predicted
-        if measured.speedup < 1.0:
+        if measured.speedup < MEASURED_SLOWER:
             return 0
         if predicted == 0 and measured.speedup >= MIN_SPEEDUP:
             return min(max(self.probe_k, self.last_k), k_max)

@@ -11,16 +11,10 @@ from mlx_lm import generate, load
 
 from engines.gguf_import import import_gguf
 from engines.packaged_models import SMOLLM2_135M, packaged_gguf
-from tests.conftest import make_client, start_scheduler
+from tests.clients import CODE, chat, post_chat, served
+from tests.conftest import make_client
 
 pytestmark = pytest.mark.slow
-
-CODE = """def total_price(items, tax):
-    subtotal = 0
-    for item in items:
-        subtotal = subtotal + item.price * item.quantity
-    return subtotal * (1 + tax)
-"""
 
 
 @pytest.fixture(scope="module")
@@ -30,25 +24,12 @@ def smollm2_dir():
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
-    scheduler = start_scheduler(smollm2_dir)
-    yield scheduler
-    scheduler.stop()
+    yield from served(smollm2_dir)
 
 
 @pytest.fixture(scope="module")
 def reference(smollm2_dir):
     return load(str(smollm2_dir))
-
-
-def chat(content: str) -> list[dict]:
-    return [{"role": "user", "content": content}]
-
-
-async def post_chat(scheduler, **body) -> dict:
-    async with make_client(scheduler) as client:
-        response = await client.post("/v1/chat/completions", json={"temperature": 0, **body})
-    assert response.status_code == 200, response.text
-    return response.json()
 
 
 @pytest.mark.parametrize(

@@ -10,16 +10,9 @@ from mlx_lm import generate, load
 
 from engines.gguf_import import import_gguf
 from engines.packaged_models import QWEN_CODER_05B, packaged_gguf
-from tests.conftest import make_client, start_scheduler
+from tests.clients import CODE, chat, post_chat, served
 
 pytestmark = pytest.mark.slow
-
-CODE = """def total_price(items, tax):
-    subtotal = 0
-    for item in items:
-        subtotal = subtotal + item.price * item.quantity
-    return subtotal * (1 + tax)
-"""
 
 
 @pytest.fixture(scope="module")
@@ -29,20 +22,7 @@ def qwen_dir():
 
 @pytest.fixture(scope="module")
 def qwen(qwen_dir):
-    scheduler = start_scheduler(qwen_dir)
-    yield scheduler
-    scheduler.stop()
-
-
-def chat(content: str) -> list[dict]:
-    return [{"role": "user", "content": content}]
-
-
-async def post_chat(scheduler, **body) -> dict:
-    async with make_client(scheduler) as client:
-        response = await client.post("/v1/chat/completions", json={"temperature": 0, **body})
-    assert response.status_code == 200, response.text
-    return response.json()
+    yield from served(qwen_dir)
 
 
 @pytest.mark.parametrize(

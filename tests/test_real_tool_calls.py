@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 
 import anthropic
-import openai
 import pytest
 
 from engines.gguf_import import import_gguf
 from engines.packaged_models import QWEN_CODER_05B, packaged_gguf
+from tests.clients import openai_sdk, streamed_chat
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
 from tests.test_anthropic import sdk as anthropic_sdk
 from tests.test_anthropic import sdk_http
@@ -42,12 +42,6 @@ def qwen():
     scheduler.stop()
 
 
-def openai_sdk(http) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
-        base_url="http://tandem.test/v1", api_key="x", http_client=http, max_retries=0
-    )
-
-
 async def ask_chat(scheduler, messages: list[dict], **config):
     async with make_client(scheduler, **config) as http:
         return await openai_sdk(http).chat.completions.create(
@@ -69,20 +63,9 @@ async def test_chat_returns_the_untagged_call_as_a_tool_call(qwen):
 
 async def test_streamed_chat_sends_the_call_as_a_tool_call_delta(qwen):
     async with make_client(qwen) as http:
-        stream = await openai_sdk(http).chat.completions.create(
-            model=MODEL_NAME,
-            messages=question(),
-            tools=TOOLS,
-            max_tokens=40,
-            temperature=0,
-            stream=True,
+        content, parts, finish = await streamed_chat(
+            http, model=MODEL_NAME, messages=question(), tools=TOOLS, max_tokens=40, temperature=0
         )
-        content, parts, finish = "", [], None
-        async for chunk in stream:
-            delta = chunk.choices[0].delta
-            content += delta.content or ""
-            parts += delta.tool_calls or []
-            finish = chunk.choices[0].finish_reason or finish
     assert (content, finish) == ("", "tool_calls")
     (part,) = parts
     assert (part.index, part.function.name) == (0, "get_weather")

@@ -10,8 +10,8 @@ import json
 import pytest
 
 from engines.constraints import GrammarCompiler
-from tests.conftest import make_client, start_scheduler
-from tests.forcing import forcing_factory
+from tests.clients import forced_scheduler
+from tests.conftest import make_client
 
 WEATHER = {
     "name": "get_weather",
@@ -79,11 +79,7 @@ TOOLS = [{"type": "function", "function": WEATHER}]
 
 @pytest.fixture(scope="module")
 def forced(tiny_model_dir, reference):
-    scheduler = start_scheduler(
-        tiny_model_dir, logits_processor_factory=forcing_factory(reference.tokenizer, SCRIPTS)
-    )
-    yield scheduler
-    scheduler.stop()
+    yield from forced_scheduler(tiny_model_dir, reference.tokenizer, SCRIPTS)
 
 
 async def chat(scheduler, script: str, **config) -> dict:

@@ -8,8 +8,9 @@ import json
 import openai
 import pytest
 
-from tests.conftest import MODEL_NAME, make_client, start_scheduler
-from tests.forcing import SCRIPTS, THINKING, TOOL_CALL, forcing_factory, tool_round_trip_messages
+from tests.clients import forced_scheduler
+from tests.conftest import MODEL_NAME, make_client
+from tests.forcing import SCRIPTS, THINKING, TOOL_CALL, tool_round_trip_messages
 
 TOOLS = [
     {
@@ -35,11 +36,7 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def forced(tiny_model_dir, reference):
-    scheduler = start_scheduler(
-        tiny_model_dir, logits_processor_factory=forcing_factory(reference.tokenizer, SCRIPTS)
-    )
-    yield scheduler
-    scheduler.stop()
+    yield from forced_scheduler(tiny_model_dir, reference.tokenizer, SCRIPTS)
 
 
 def sdk(http_client) -> openai.AsyncOpenAI:

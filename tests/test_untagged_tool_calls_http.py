@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 
 import anthropic
-import openai
 import pytest
 
-from tests.conftest import MODEL_NAME, make_client, start_scheduler
-from tests.forcing import forcing_factory
+from tests.clients import forced_scheduler, openai_sdk, streamed_chat
+from tests.conftest import MODEL_NAME, make_client
 from tests.test_anthropic import sdk as anthropic_sdk
 from tests.test_anthropic import sdk_http
 
@@ -30,17 +29,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @pytest.fixture(scope="module")
 def forced(tiny_model_dir, reference):
-    scheduler = start_scheduler(
-        tiny_model_dir, logits_processor_factory=forcing_factory(reference.tokenizer, SCRIPTS)
-    )
-    yield scheduler
-    scheduler.stop()
-
-
-def openai_sdk(http) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
-        base_url="http://tandem.test/v1", api_key="x", http_client=http, max_retries=0
-    )
+    yield from forced_scheduler(tiny_model_dir, reference.tokenizer, SCRIPTS)
 
 
 def ask(name: str) -> list[dict]:
@@ -65,20 +54,9 @@ async def test_a_fenced_untagged_call_is_a_chat_tool_call(forced):
 
 async def test_a_streamed_untagged_call_arrives_as_a_tool_call_delta(forced):
     async with make_client(forced) as http:
-        stream = await openai_sdk(http).chat.completions.create(
-            model=MODEL_NAME,
-            messages=ask("bare"),
-            tools=TOOLS,
-            max_tokens=80,
-            temperature=0,
-            stream=True,
+        content, parts, finish = await streamed_chat(
+            http, model=MODEL_NAME, messages=ask("bare"), tools=TOOLS, max_tokens=80, temperature=0
         )
-        content, parts, finish = "", [], None
-        async for chunk in stream:
-            delta = chunk.choices[0].delta
-            content += delta.content or ""
-            parts += delta.tool_calls or []
-            finish = chunk.choices[0].finish_reason or finish
     assert (content, finish) == ("", "tool_calls")
     (part,) = parts
     assert (part.index, part.function.name) == (0, "get_weather")

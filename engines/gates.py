@@ -88,6 +88,11 @@ class CostModel:
         }
 
 
+def running_average(old: float | None, value: float, weight: float) -> float:
+    """An exponential moving average; the first value starts it."""
+    return value if old is None else old + weight * (value - old)
+
+
 def monotone_fit(values: list[float]) -> list[float]:
     """The non-decreasing sequence closest to `values` in squared error (pool adjacent
     violators): one noisy size is averaged with its neighbours instead of lifting every
@@ -294,7 +299,7 @@ class OnlineCosts:
         self.samples[key] = seen + 1
         if seen == 0:
             return old
-        return value if old is None else old + self.weight * (value - old)
+        return running_average(old, value, self.weight)
 
     def observe_plain(self, seconds: float) -> None:
         if self.learn:
@@ -409,8 +414,7 @@ class RealizedRates:
         if seen == 0:  # warm-up, like OnlineCosts
             return
         for average, value in ((self.seconds, seconds), (self.tokens, float(tokens))):
-            old = average.get(kind)
-            average[kind] = value if old is None else old + self.weight * (value - old)
+            average[kind] = running_average(average.get(kind), value, self.weight)
         self.since_plain = 0 if kind == PLAIN else self.since_plain + 1
 
     def observe_draft(
@@ -423,13 +427,11 @@ class RealizedRates:
         if plain is None:
             return
         values = (float(tokens), seconds / plain, *predicted)
-        old = self.by_k.get(k)
-        self.by_k[k] = (
-            list(values)
-            if old is None
-            else [o + self.weight * (v - o) for o, v in zip(old, values, strict=True)]
-        )
-        self.k_steps[k] = self.k_steps.get(k, 0) + 1
+        old = self.by_k.get(k) or [None] * len(values)
+        self.k_steps[k] = self.k_steps.get(k, 0) + 1  # before by_k: stats read both
+        self.by_k[k] = [
+            running_average(o, v, self.weight) for o, v in zip(old, values, strict=True)
+        ]
 
     def rate(self, kind: str) -> float | None:
         if self.steps.get(kind, 0) <= self.min_steps:
@@ -448,7 +450,7 @@ class RealizedRates:
         factors = {
             k: (tokens / cost) / (predicted_tokens / predicted_cost)
             for k, (tokens, cost, predicted_tokens, predicted_cost) in list(self.by_k.items())
-            if self.k_steps[k] > self.min_steps
+            if self.k_steps.get(k, 0) > self.min_steps
         }
         return Measured(speedup, factors)
 

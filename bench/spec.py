@@ -37,6 +37,10 @@ class Result:
     accepted: dict[str, int] = field(default_factory=dict)
     mismatches: int = 0
 
+    def count(self, method: str, drafted: int, accepted: int) -> None:
+        self.drafted[method] = self.drafted.get(method, 0) + drafted
+        self.accepted[method] = self.accepted.get(method, 0) + accepted
+
 
 def load_prompts(name: str) -> list[dict]:
     path = Path(name) if name.endswith(".jsonl") else DATA / f"{name}.jsonl"
@@ -55,29 +59,31 @@ def decode_rate(stamps: list[float], tokens: int) -> float:
     return (tokens - 1) / (stamps[-1] - stamps[0])
 
 
+def timed_tokens(steps) -> tuple[float, list[int]]:
+    """Decode rate and tokens of a generator of (token, ...) tuples, as it runs."""
+    tokens, stamps = [], []
+    for token, *_ in steps:
+        tokens.append(token)
+        stamps.append(time.perf_counter())
+    return decode_rate(stamps, len(tokens)), tokens
+
+
 def run_mlx_lm(model, prompt_ids: list[int], max_tokens: int) -> tuple[float, list[int]]:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    tokens, stamps = [], []
-    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
-        tokens.append(token)
-        stamps.append(time.perf_counter())
-    return decode_rate(stamps, len(tokens)), tokens
+    return timed_tokens(generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens))
 
 
 def run_mlx_lm_draft(model, draft, prompt_ids, max_tokens, k) -> tuple[float, list[int]]:
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
-    tokens, stamps = [], []
-    steps = speculative_generate_step(
-        mx.array(prompt_ids), model, draft, num_draft_tokens=k, max_tokens=max_tokens
+    return timed_tokens(
+        speculative_generate_step(
+            mx.array(prompt_ids), model, draft, num_draft_tokens=k, max_tokens=max_tokens
+        )
     )
-    for token, _, _ in steps:
-        tokens.append(token)
-        stamps.append(time.perf_counter())
-    return decode_rate(stamps, len(tokens)), tokens
 
 
 def run_tandem(engine, prompt_ids, max_tokens, overrides) -> tuple[float, list[int], object]:
@@ -203,25 +209,22 @@ def run_sets(engine, registry, configs: list[str], args) -> dict[str, dict[str, 
                 results[set_name]["mlx-lm"].rates.append(rate)
                 for config in configs[1:]:
                     result = results[set_name][config]
-                    if config.startswith("mlx-lm+draft"):
-                        k = int(config.rsplit("=", 1)[1])
-                        draft = registry.draft.model
-                        rate, tokens = run_mlx_lm_draft(
-                            target, draft, prompt_ids, args.max_tokens, k
-                        )
-                        result.rates.append(rate)
-                        result.mismatches += tokens != reference
-                        continue
-                    overrides = overrides_for(config, args.num_draft_tokens)
-                    rate, tokens, spec = run_tandem(engine, prompt_ids, args.max_tokens, overrides)
+                    rate, tokens, spec = run_config(config, engine, registry, prompt_ids, args)
                     result.rates.append(rate)
                     result.mismatches += tokens != reference
-                    for method, stats in spec.by_method.items():
-                        result.drafted[method] = result.drafted.get(method, 0) + stats.draft_tokens
-                        result.accepted[method] = (
-                            result.accepted.get(method, 0) + stats.accepted_tokens
-                        )
+                    for method, stats in spec.by_method.items() if spec else ():
+                        result.count(method, stats.draft_tokens, stats.accepted_tokens)
     return results
+
+
+def run_config(config: str, engine, registry, prompt_ids: list[int], args):
+    """(decode rate, tokens, Tandem's speculation stats or None) of one config."""
+    if config.startswith("mlx-lm+draft"):
+        k = int(config.rsplit("=", 1)[1])
+        target, draft = registry.target.model, registry.draft.model
+        return *run_mlx_lm_draft(target, draft, prompt_ids, args.max_tokens, k), None
+    overrides = overrides_for(config, args.num_draft_tokens)
+    return run_tandem(engine, prompt_ids, args.max_tokens, overrides)
 
 
 def merged(runs: list[dict[str, dict[str, Result]]]) -> dict[str, dict[str, Result]]:
@@ -234,8 +237,7 @@ def merged(runs: list[dict[str, dict[str, Result]]]) -> dict[str, dict[str, Resu
                 into.rates += result.rates
                 into.mismatches += result.mismatches
                 for method in result.drafted:
-                    into.drafted[method] = into.drafted.get(method, 0) + result.drafted[method]
-                    into.accepted[method] = into.accepted.get(method, 0) + result.accepted[method]
+                    into.count(method, result.drafted[method], result.accepted[method])
     return total
 
 

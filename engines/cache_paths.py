@@ -22,12 +22,12 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def remembered_sha256(path: Path, memo_dir: Path | None = None) -> str:
-    """`file_sha256(path)`, remembered by (path, size, mtime) so a second start of a
-    1 GB GGUF does not read it all again; a changed file is hashed afresh."""
+def remembered_sha256(path: Path, memo_dir: Path) -> str:
+    """`file_sha256(path)`, remembered in `memo_dir` by (path, size, mtime) so a second
+    start of a 1 GB GGUF does not read it all again; a changed file is hashed afresh."""
     stat = path.stat()
     key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    memo = (memo_dir or tandem_cache_root() / "hashes") / hashlib.sha1(key.encode()).hexdigest()
+    memo = memo_dir / hashlib.sha1(key.encode()).hexdigest()
     try:
         remembered = memo.read_text().strip()
         if len(remembered) == 64:

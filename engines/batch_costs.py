@@ -3,9 +3,9 @@
 A batched step verifies `[B, 1 + K]`: every row feeds its newest token and up to K
 drafted ones (shorter drafts are padded). Its cost depends on the tokens in the
 forward, n = B * (1 + K), and -- when any row drafts with the draft model -- on K
-batched draft-model steps. Row i commits E(alpha_i, k_i) = 1 + a + ... + a^k_i
-tokens in expectation. The step's K maximises sum_i E_i / cost; K = 0 is plain
-batching, and with one row this is the single-stream rule.
+batched draft-model steps. Row i commits E_i(k_i) = 1 + a_1 + a_1 a_2 + ... (k_i terms)
+tokens in expectation (a_i learned per position, see `gates`). The step's K maximises
+sum_i E_i / cost; K = 0 is plain batching, and with one row this is the single-stream rule.
 
 Costs start from the single-stream startup measurement (verify cost of n tokens
 relative to a plain step, extended linearly past the measured n) and are replaced by
@@ -18,14 +18,15 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from engines.gates import MIN_SPEEDUP, CostModel, expected_tokens
+from engines.gates import MIN_SPEEDUP, Acceptance, CostModel, expected_tokens
 
 
 @dataclass
 class RowOption:
-    """One way a row can draft this step: up to `cap` tokens at acceptance `alpha`."""
+    """One way a row can draft this step: up to `cap` tokens at per-position acceptance
+    `acceptance` (a float: the same at every position)."""
 
-    alpha: float
+    acceptance: Acceptance
     cap: int
     uses_draft_model: bool
 
@@ -170,4 +171,4 @@ def choose_draft_length(
 
 def _row_expectation(options: list[RowOption], k: int, with_model: bool) -> float:
     usable = [o for o in options if with_model or not o.uses_draft_model]
-    return max((expected_tokens(o.alpha, min(k, o.cap)) for o in usable), default=1.0)
+    return max((expected_tokens(o.acceptance, min(k, o.cap)) for o in usable), default=1.0)

@@ -308,9 +308,10 @@ class BatchedSpeculativeEngine:
                 proposal = row.pld.propose(row.tokens, cap)
                 if proposal is not None:
                     row.drafts, row.method = proposal.tokens, PLD
-                    row_options.append(RowOption(row.gates[PLD].alpha, len(proposal.tokens), False))
+                    acceptance = row.gates[PLD].acceptance()
+                    row_options.append(RowOption(acceptance, len(proposal.tokens), False))
             if cap > 0 and DRAFT in row.gates and self.draft_model is not None:
-                row_options.append(RowOption(row.gates[DRAFT].alpha, cap, True))
+                row_options.append(RowOption(row.gates[DRAFT].acceptance(), cap, True))
             options.append(row_options)
         k_max = max(caps, default=0)
         if k_max == 0:
@@ -339,7 +340,7 @@ class BatchedSpeculativeEngine:
         for option in options:
             if option.uses_draft_model and not with_model:
                 continue
-            gain = expected_tokens(option.alpha, min(k, option.cap))
+            gain = expected_tokens(option.acceptance, min(k, option.cap))
             if gain > best:
                 best, method = gain, DRAFT if option.uses_draft_model else PLD
         if method == PLD:

@@ -1,10 +1,14 @@
 """When drafting pays, and how far to draft: the gates and adaptive k.
 
-Plain decoding yields one token per target step (cost 1). Drafting k tokens with
-per-position acceptance probability a yields E(k) = 1 + a + ... + a^k tokens at
-cost V(k+1) (target forward over k+1 tokens, measured relative to a plain step)
-plus k draft-model steps for the draft method. We draft the k that maximises
-E(k)/cost(k), and not at all (k = 0) when no k beats plain decoding.
+Plain decoding yields one token per target step (cost 1). Drafting k tokens yields
+E(k) = 1 + a_1 + a_1 a_2 + ... + a_1...a_k tokens, where a_i is the chance that draft i
+is accepted once the drafts before it were, at cost V(k+1) (target forward over k+1
+tokens, measured relative to a plain step) plus k draft-model steps for the draft
+method. We draft the k that maximises E(k)/cost(k), and not at all (k = 0) when no k
+beats plain decoding. The a_i are learned per position: acceptance comes in runs (a
+draft that copies the prompt, or a draft model on an easy stretch, is right for many
+tokens once it is right for the first), so a_2, a_3, ... are usually higher than a_1,
+and a model that assumed one rate for every position would draft too short.
 
 * Prompt gate: a prompt with little n-gram repetition starts with PLD closed.
 * Runtime gate: a running acceptance estimate closes a method when it stops paying;
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -28,7 +32,10 @@ MIN_SPEEDUP = 1.03  # a draft length must beat plain decoding by this much
 TRUSTED_ACCEPTANCE = 0.5  # a draft model accepted this often drafts until measured slower
 MEASURED_SLOWER = 0.95  # measured drafting speed-up below which drafting stops: clearly
 # slower, not the noise of a running average near 1
+SHRINK = 2.0  # pseudo-observations pulling a rarely reached position to the one before it
+SHRINK_CAP = 8  # observations beyond this count no more against the pull
 PLAIN = "plain"
+Acceptance = float | Sequence[float]  # per-position acceptance; a float: the same everywhere
 Calibration = Callable[[int], float] | None  # k -> measured / predicted speed-up
 
 
@@ -142,23 +149,34 @@ def _pipelined_step_seconds(model, cache, steps: int = 4) -> float:
     return seconds
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    return sum(alpha**i for i in range(k + 1))
+def expected_tokens(acceptance: Acceptance, k: int) -> float:
+    """1 + a_1 + a_1 a_2 + ... + a_1...a_k: the tokens a verify of k drafts commits in
+    expectation. Positions past the given rates take the last one."""
+    rates = (acceptance,) if isinstance(acceptance, int | float) else tuple(acceptance)
+    total = reach = 1.0
+    for i in range(k):
+        reach *= rates[min(i, len(rates) - 1)]
+        total += reach
+    return total
 
 
-def speedup(alpha: float, k: int, cost: CostModel, method: str) -> float:
+def speedup(acceptance: Acceptance, k: int, cost: CostModel, method: str) -> float:
     """Expected tokens per unit of plain-step cost when drafting k with `method`."""
-    return expected_tokens(alpha, k) / cost.step_cost(k, method)
+    return expected_tokens(acceptance, k) / cost.step_cost(k, method)
 
 
 def best_draft_length(
-    alpha: float, k_max: int, cost: CostModel, method: str, calibration: Calibration = None
+    acceptance: Acceptance,
+    k_max: int,
+    cost: CostModel,
+    method: str,
+    calibration: Calibration = None,
 ) -> int:
     """The k in 1..k_max with the best tokens-per-cost, or 0 if none beats plain;
     `calibration(k)` corrects each prediction by how far it was off when served."""
     best_k, best = 0, MIN_SPEEDUP
     for k in range(1, k_max + 1):
-        gain = speedup(alpha, k, cost, method) * (calibration(k) if calibration else 1.0)
+        gain = speedup(acceptance, k, cost, method) * (calibration(k) if calibration else 1.0)
         if gain > best:
             best_k, best = k, gain
     return best_k
@@ -181,12 +199,12 @@ def prompt_repetition_score(tokens: list[int] | tuple[int, ...], n: int = 3) -> 
 class MethodGate:
     """Runtime gate for one drafting method within one request.
 
-    alpha is an exponential moving average of per-position acceptance; a closed
-    gate waits `cooldown` plain tokens before a probe, doubling the wait after each
-    failed probe (so a novel stream pays for at most a few probes)."""
+    Acceptance is learned per draft position (`acceptance()`), starting from the prior
+    `alpha`; a closed gate waits `cooldown` plain tokens before a probe, doubling the
+    wait after each failed probe (so a novel stream pays for at most a few probes)."""
 
     method: str
-    alpha: float
+    alpha: float  # the prior: acceptance assumed at every position before any verify
     open: bool = True
     cooldown: int = 0
     backoff: int = 8
@@ -195,6 +213,24 @@ class MethodGate:
     weight: float = 0.25
     probe_k: int = 2
     last_k: int = 0  # the draft length of the latest verify
+    rates: list[float] = field(default_factory=list)  # per position: running acceptance
+    reached: list[int] = field(default_factory=list)  # per position: verifies that got there
+
+    def acceptance(self) -> tuple[float, ...]:
+        """Per-position acceptance a_1, a_2, ...: each position's running rate, pulled
+        towards the estimate of the position before it (the first: towards the prior)
+        while it has few observations. A position rarely reached -- drafts are seldom
+        that long -- so inherits what the last well-observed one says, instead of a
+        prior that would keep long drafts from ever being tried."""
+        estimates, previous = [], self.alpha
+        for rate, reached in zip(self.rates, self.reached, strict=True):
+            weight = min(reached, SHRINK_CAP)
+            previous = (weight * rate + SHRINK * previous) / (weight + SHRINK)
+            estimates.append(previous)
+        return tuple(estimates) or (self.alpha,)
+
+    def expected(self, k: int) -> float:
+        return expected_tokens(self.acceptance(), k)
 
     def draft_length(self, k_max: int, cost: CostModel, measured: Measured | None = None) -> int:
         """How many tokens to draft this step (0 = do not draft with this method). An open
@@ -217,9 +253,10 @@ class MethodGate:
         trusted, and a draft model accepted at least half the time drafts until
         measured slower."""
         calibration = measured.calibration if measured else None
-        predicted = best_draft_length(self.alpha, k_max, cost, self.method, calibration)
+        acceptance = self.acceptance()
+        predicted = best_draft_length(acceptance, k_max, cost, self.method, calibration)
         if measured is None:
-            if predicted == 0 and self.method == DRAFT and self.alpha >= TRUSTED_ACCEPTANCE:
+            if predicted == 0 and self.method == DRAFT and acceptance[0] >= TRUSTED_ACCEPTANCE:
                 return min(self.probe_k, k_max)
             return predicted
         if measured.speedup < MEASURED_SLOWER:
@@ -239,9 +276,14 @@ class MethodGate:
         """Update after a verify; returns True if this closed the gate (a trip)."""
         self.last_k = drafted
         attempts = accepted + (1 if accepted < drafted else 0)
-        for i in range(attempts):
+        for i in range(attempts):  # positions after the first rejection were not tried
             hit = 1.0 if i < accepted else 0.0
-            self.alpha += self.weight * (hit - self.alpha)
+            if i == len(self.rates):
+                self.rates.append(hit)
+                self.reached.append(0)
+            self.reached[i] += 1
+            step = max(self.weight, 1.0 / self.reached[i])  # a plain mean at first
+            self.rates[i] += step * (hit - self.rates[i])
         pays = self.open_length(k_max, cost, measured) > 0
         was_open, self.open = self.open, pays
         if pays:

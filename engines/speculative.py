@@ -39,7 +39,6 @@ from engines.gates import (
     MethodGate,
     OnlineCosts,
     RealizedRates,
-    expected_tokens,
     prompt_repetition_score,
     speedup,
 )
@@ -144,7 +143,8 @@ class SpeculativeEngine:
         costs = ", ".join(f"{c:.2f}" for c in cost.verify[: self.config.num_draft_tokens + 1])
         return (
             f"methods={'+'.join(methods) or 'none'} k={self.config.num_draft_tokens} "
-            f"verify cost vs plain step for 1..k+1 tokens=[{costs}]"
+            + (f"(prompt lookup up to {self.k_cap}) " if self.config.enable_pld else "")
+            + f"verify cost vs plain step for 1..k+1 tokens=[{costs}]"
             + (f" draft step={cost.draft_step:.2f}" if self.drafter else "")
         )
 
@@ -224,9 +224,17 @@ class SpeculativeEngine:
             gates[DRAFT] = MethodGate(DRAFT, alpha=0.6)
         return gates
 
-    def _request_k(self, seq: Sequence) -> int:
+    def _request_k(self, seq: Sequence, method: str = DRAFT) -> int:
+        """The longest draft `method` may propose for this request: the request's own
+        num_draft_tokens if it set one; else the server's for the draft model, and the
+        cap for prompt lookup, whose drafts cost nothing to make (a long copy of the
+        prompt pays with long drafts; the gate still picks k by what verifies cost)."""
         k = seq.request.speculation.num_draft_tokens
-        return self.config.num_draft_tokens if k is None else max(0, min(k, self.k_cap))
+        if k is not None:
+            return max(0, min(k, self.k_cap))
+        if method == PLD and self.config.num_draft_tokens > 0:
+            return self.k_cap
+        return self.config.num_draft_tokens
 
     # ---- the step ---------------------------------------------------------------
 
@@ -331,20 +339,22 @@ class SpeculativeEngine:
 
     def _propose(self, active: _Active) -> Draft | None:
         seq = active.seq
-        k_max = min(self._request_k(seq), seq.request.max_tokens - len(seq.generated) - 1)
-        if k_max <= 0 or not active.gates or active.forced_plain > 0:
+        left = seq.request.max_tokens - len(seq.generated) - 1
+        k_max = min(self._request_k(seq), left)
+        pld_k_max = min(self._request_k(seq, PLD), left)
+        if max(k_max, pld_k_max) <= 0 or not active.gates or active.forced_plain > 0:
             return None
         gate = active.gates.get(DRAFT)
         if gate is not None and gate.open and self.realized and self.realized.plain_probe_due():
             active.forced_plain = 4  # an A/B probe: plain steps to compare drafting with
             return None
-        pld_draft = self._propose_pld(active, k_max) if PLD in active.gates else None
+        pld_draft = self._propose_pld(active, pld_k_max) if PLD in active.gates else None
         k = gate.draft_length(k_max, self.cost, self._measured(DRAFT)) if gate is not None else 0
         if k == 0 or (pld_draft is not None and self._prefer_pld(active, pld_draft, k)):
             return pld_draft
         if self.realized is not None and gate.open:
             k = self.realized.explore_k(k_max) or k  # now and then, another k to calibrate
-        active.predicted = (expected_tokens(gate.alpha, k), self.cost.step_cost(k, DRAFT))
+        active.predicted = (gate.expected(k), self.cost.step_cost(k, DRAFT))
         return self.drafter.propose(
             active.draft,
             active.tokens,
@@ -360,8 +370,8 @@ class SpeculativeEngine:
         a long lookup match, or PLD's measured acceptance making it the better deal."""
         if pld_draft.match_length >= self.config.pld_preferred_match:
             pld_gate, draft_gate = active.gates[PLD], active.gates[DRAFT]
-            pld_gain = speedup(pld_gate.alpha, len(pld_draft.tokens), self.cost, PLD)
-            draft_gain = speedup(draft_gate.alpha, draft_k, self.cost, DRAFT)
+            pld_gain = speedup(pld_gate.acceptance(), len(pld_draft.tokens), self.cost, PLD)
+            draft_gain = speedup(draft_gate.acceptance(), draft_k, self.cost, DRAFT)
             return pld_gain >= draft_gain
         return False
 
@@ -446,7 +456,8 @@ class SpeculativeEngine:
         self.totals.record(draft.method, k, accepted)
         gate = active.gates[draft.method]
         measured = self._measured(draft.method)
-        if gate.record(k, accepted, self._request_k(active.seq), self.cost, measured):
+        k_max = self._request_k(active.seq, draft.method)
+        if gate.record(k, accepted, k_max, self.cost, measured):
             active.seq.spec.trip("runtime")
             self.totals.trip("runtime")
 

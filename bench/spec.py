@@ -107,14 +107,16 @@ def run_tandem(engine, prompt_ids, max_tokens, overrides) -> tuple[float, list[i
     return decode_rate(stamps, len(seq.generated)), seq.generated, seq.spec
 
 
-def overrides_for(config: str, k: int):
+def overrides_for(config: str):
+    """Which drafters a config turns on; draft lengths stay the engine's own (as a
+    server's --num-draft-tokens sets them, with prompt lookup allowed up to the cap)."""
     from engines.request import SpeculationOverrides
 
     return {
         "plain": SpeculationOverrides(num_draft_tokens=0),
-        "draft": SpeculationOverrides(enable_pld=False, enable_draft=True, num_draft_tokens=k),
-        "pld": SpeculationOverrides(enable_pld=True, enable_draft=False, num_draft_tokens=k),
-        "draft+pld": SpeculationOverrides(enable_pld=True, enable_draft=True, num_draft_tokens=k),
+        "draft": SpeculationOverrides(enable_pld=False, enable_draft=True),
+        "pld": SpeculationOverrides(enable_pld=True, enable_draft=False),
+        "draft+pld": SpeculationOverrides(enable_pld=True, enable_draft=True),
     }[config]
 
 
@@ -223,7 +225,7 @@ def run_config(config: str, engine, registry, prompt_ids: list[int], args):
         k = int(config.rsplit("=", 1)[1])
         target, draft = registry.target.model, registry.draft.model
         return *run_mlx_lm_draft(target, draft, prompt_ids, args.max_tokens, k), None
-    overrides = overrides_for(config, args.num_draft_tokens)
+    overrides = overrides_for(config)
     return run_tandem(engine, prompt_ids, args.max_tokens, overrides)
 
 

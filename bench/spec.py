@@ -205,17 +205,20 @@ def run_sets(engine, registry, configs: list[str], args) -> dict[str, dict[str, 
         results[set_name] = {c: Result() for c in configs}
         run_mlx_lm(target, encode_prompt(tokenizer, rows[0]), 8)  # warm-up
         for _ in range(args.repeats):
-            for row in rows:
+            for number, row in enumerate(rows, start=1):
                 prompt_ids = encode_prompt(tokenizer, row)
                 rate, reference = run_mlx_lm(target, prompt_ids, args.max_tokens)
                 results[set_name]["mlx-lm"].rates.append(rate)
+                progress = [f"mlx-lm {rate:.2f}"]
                 for config in configs[1:]:
                     result = results[set_name][config]
                     rate, tokens, spec = run_config(config, engine, registry, prompt_ids, args)
+                    progress.append(f"{config} {rate:.2f}")
                     result.rates.append(rate)
                     result.mismatches += tokens != reference
                     for method, stats in spec.by_method.items() if spec else ():
                         result.count(method, stats.draft_tokens, stats.accepted_tokens)
+                print(f"  {set_name} #{number} tok/s: " + ", ".join(progress), flush=True)
     return results
 
 

@@ -34,6 +34,7 @@ class BatchRow:
     drafts: list[int] = field(default_factory=list)  # this step's proposal
     probs: mx.array | None = None  # (k, V) q of a sampled draft-model proposal
     method: str | None = None
+    match: int = 0  # the n-gram length of this step's prompt lookup proposal
 
     @property
     def tokens(self) -> list[int]:

@@ -71,8 +71,8 @@ class BatchedSpeculativeEngine:
         self.draft_model = registry.draft.model if registry.draft else None
         self.draft_vocab = speculative.drafter.vocab_size if speculative.drafter else 0
         self.config: SpecConfig = speculative.config
-        self.k_cap = speculative.k_cap
         self.initial_gates = speculative.initial_gates
+        self.request_k = speculative.request_k
         self.costs = costs or BatchCosts(speculative.cost, learn=speculative.costs.learn)
         self.prefill_step_size = prefill_step_size
         self.rows: list[BatchRow] = []
@@ -301,14 +301,15 @@ class BatchedSpeculativeEngine:
         options, caps = [], []
         for row in self.rows:
             row.drafts, row.probs, row.method = [], None, None
-            cap = self._row_cap(row)
-            caps.append(cap)
+            cap, pld_cap = self._row_cap(row, DRAFT), self._row_cap(row, PLD)
+            caps.append(max(cap, pld_cap))
             row_options = []
-            if cap > 0 and PLD in row.gates:
-                proposal = row.pld.propose(row.tokens, cap)
+            if pld_cap > 0 and PLD in row.gates:
+                proposal = row.pld.propose(row.tokens, pld_cap)
                 if proposal is not None:
                     row.drafts, row.method = proposal.tokens, PLD
-                    acceptance = row.gates[PLD].acceptance()
+                    row.match = proposal.match_length
+                    acceptance = row.gates[PLD].acceptance(row.match)
                     row_options.append(RowOption(acceptance, len(proposal.tokens), False))
             if cap > 0 and DRAFT in row.gates and self.draft_model is not None:
                 row_options.append(RowOption(row.gates[DRAFT].acceptance(), cap, True))
@@ -321,12 +322,12 @@ class BatchedSpeculativeEngine:
             self._choose_method(row, row_options, k, with_model)
         return k, with_model and any(row.method == DRAFT for row in self.rows)
 
-    def _row_cap(self, row: BatchRow) -> int:
-        seq = row.seq
-        k = seq.request.speculation.num_draft_tokens
-        k = self.config.num_draft_tokens if k is None else max(0, min(k, self.k_cap))
+    def _row_cap(self, row: BatchRow, method: str) -> int:
+        """The longest draft `method` may propose for the row (the single-stream rule)."""
         if not row.gates:
             return 0
+        seq = row.seq
+        k = self.request_k(seq, method)
         return max(0, min(k, seq.request.max_tokens - len(seq.generated) - 1))
 
     @staticmethod
@@ -466,7 +467,9 @@ class BatchedSpeculativeEngine:
     def _record(self, row: BatchRow, drafted: int, accepted: int) -> None:
         row.seq.spec.record(row.method, drafted, accepted)
         gate = row.gates[row.method]
-        if gate.record(drafted, accepted, self._row_cap(row) or drafted, self.costs.prior):
+        k_max = self._row_cap(row, row.method) or drafted
+        match = row.match if row.method == PLD else 0
+        if gate.record(drafted, accepted, k_max, self.costs.prior, match=match):
             row.seq.spec.trip("runtime")
 
     def _commit(self, row: BatchRow, committed: list[int], logprobs: mx.array) -> StepOutput:

@@ -95,6 +95,12 @@ class CostModel:
         }
 
 
+def _shrunk(rate: float, observations: int, toward: float) -> float:
+    """`rate` pulled towards `toward` by SHRINK pseudo-observations."""
+    weight = min(observations, SHRINK_CAP)
+    return (weight * rate + SHRINK * toward) / (weight + SHRINK)
+
+
 def running_average(old: float | None, value: float, weight: float) -> float:
     """An exponential moving average; the first value starts it."""
     return value if old is None else old + weight * (value - old)
@@ -215,36 +221,57 @@ class MethodGate:
     last_k: int = 0  # the draft length of the latest verify
     rates: list[float] = field(default_factory=list)  # per position: running acceptance
     reached: list[int] = field(default_factory=list)  # per position: verifies that got there
+    # prompt lookup: the first position's [rate, verifies] by the length of the n-gram
+    # match that proposed the draft (a one-token match is a much weaker hint than three)
+    first_by_match: dict[int, list[float]] = field(default_factory=dict)
 
-    def acceptance(self) -> tuple[float, ...]:
+    def acceptance(self, match: int = 0) -> tuple[float, ...]:
         """Per-position acceptance a_1, a_2, ...: each position's running rate, pulled
         towards the estimate of the position before it (the first: towards the prior)
         while it has few observations. A position rarely reached -- drafts are seldom
         that long -- so inherits what the last well-observed one says, instead of a
-        prior that would keep long drafts from ever being tried."""
+        prior that would keep long drafts from ever being tried. With `match` (a prompt
+        lookup draft's n-gram length), a_1 is that match length's own rate, pulled
+        towards the pooled a_1; once a copy is under way, the rest does not depend on
+        how it was found."""
         estimates, previous = [], self.alpha
         for rate, reached in zip(self.rates, self.reached, strict=True):
-            weight = min(reached, SHRINK_CAP)
-            previous = (weight * rate + SHRINK * previous) / (weight + SHRINK)
+            previous = _shrunk(rate, reached, previous)
             estimates.append(previous)
-        return tuple(estimates) or (self.alpha,)
+        pooled = tuple(estimates) or (self.alpha,)
+        if match not in self.first_by_match:
+            return pooled
+        rate, reached = self.first_by_match[match]
+        return (_shrunk(rate, reached, pooled[0]), *(pooled[1:] or pooled))
 
-    def expected(self, k: int) -> float:
-        return expected_tokens(self.acceptance(), k)
+    def expected(self, k: int, match: int = 0) -> float:
+        return expected_tokens(self.acceptance(match), k)
 
-    def draft_length(self, k_max: int, cost: CostModel, measured: Measured | None = None) -> int:
+    def draft_length(
+        self, k_max: int, cost: CostModel, measured: Measured | None = None, match: int = 0
+    ) -> int:
         """How many tokens to draft this step (0 = do not draft with this method). An open
-        gate that finds no k worth drafting closes, so the steps until its probe are
-        pipelined plain steps: a gate that is open but never drafts would cost every
-        step its pipelining and gather no evidence."""
+        gate that finds no k worth drafting for any match length closes, so the steps
+        until its probe are pipelined plain steps: a gate that is open but never drafts
+        would cost every step its pipelining and gather no evidence. (One weak match
+        that does not pay is skipped without closing.)"""
         if self.open:
-            k = self.open_length(k_max, cost, measured)
-            if k == 0:
+            k = self.open_length(k_max, cost, measured, match)
+            if k == 0 and not self._pays(k_max, cost, measured):
                 self.open, self.cooldown = False, self.backoff
             return k
         return min(self.probe_k, k_max) if self.cooldown <= 0 else 0
 
-    def open_length(self, k_max: int, cost: CostModel, measured: Measured | None) -> int:
+    def _pays(self, k_max: int, cost: CostModel, measured: Measured | None) -> bool:
+        """Some draft length pays, pooled or for a match length seen."""
+        return any(
+            self.open_length(k_max, cost, measured, match) > 0
+            for match in (0, *self.first_by_match)
+        )
+
+    def open_length(
+        self, k_max: int, cost: CostModel, measured: Measured | None, match: int = 0
+    ) -> int:
         """The predicted best k, unless what was measured says otherwise (`measured`:
         drafting with this method against plain steps as served, None until both were
         seen). Each k's prediction is corrected by how far it was off when served (the
@@ -253,7 +280,7 @@ class MethodGate:
         trusted, and a draft model accepted at least half the time drafts until
         measured slower."""
         calibration = measured.calibration if measured else None
-        acceptance = self.acceptance()
+        acceptance = self.acceptance(match)
         predicted = best_draft_length(acceptance, k_max, cost, self.method, calibration)
         if measured is None:
             if predicted == 0 and self.method == DRAFT and acceptance[0] >= TRUSTED_ACCEPTANCE:
@@ -272,9 +299,15 @@ class MethodGate:
         k_max: int,
         cost: CostModel,
         measured: Measured | None = None,
+        match: int = 0,
     ) -> bool:
-        """Update after a verify; returns True if this closed the gate (a trip)."""
+        """Update after a verify (`match`: the prompt lookup match length that proposed
+        it); returns True if this closed the gate (a trip)."""
         self.last_k = drafted
+        if match and drafted:
+            first = self.first_by_match.setdefault(match, [0.0, 0])
+            first[1] += 1
+            first[0] += max(self.weight, 1.0 / first[1]) * ((accepted > 0) - first[0])
         attempts = accepted + (1 if accepted < drafted else 0)
         for i in range(attempts):  # positions after the first rejection were not tried
             hit = 1.0 if i < accepted else 0.0
@@ -284,7 +317,7 @@ class MethodGate:
             self.reached[i] += 1
             step = max(self.weight, 1.0 / self.reached[i])  # a plain mean at first
             self.rates[i] += step * (hit - self.rates[i])
-        pays = self.open_length(k_max, cost, measured) > 0
+        pays = self._pays(k_max, cost, measured)
         was_open, self.open = self.open, pays
         if pays:
             self.backoff = self.min_backoff

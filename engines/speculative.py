@@ -208,7 +208,7 @@ class SpeculativeEngine:
     def initial_gates(self, seq: Sequence) -> dict[str, MethodGate]:
         overrides = seq.request.speculation
         gates = {}
-        if self._request_k(seq) == 0:
+        if self.request_k(seq) == 0:
             return gates
         pld_on = self.config.enable_pld if overrides.enable_pld is None else overrides.enable_pld
         if pld_on:
@@ -224,7 +224,7 @@ class SpeculativeEngine:
             gates[DRAFT] = MethodGate(DRAFT, alpha=0.6)
         return gates
 
-    def _request_k(self, seq: Sequence, method: str = DRAFT) -> int:
+    def request_k(self, seq: Sequence, method: str = DRAFT) -> int:
         """The longest draft `method` may propose for this request: the request's own
         num_draft_tokens if it set one; else the server's for the draft model, and the
         cap for prompt lookup, whose drafts cost nothing to make (a long copy of the
@@ -340,8 +340,8 @@ class SpeculativeEngine:
     def _propose(self, active: _Active) -> Draft | None:
         seq = active.seq
         left = seq.request.max_tokens - len(seq.generated) - 1
-        k_max = min(self._request_k(seq), left)
-        pld_k_max = min(self._request_k(seq, PLD), left)
+        k_max = min(self.request_k(seq), left)
+        pld_k_max = min(self.request_k(seq, PLD), left)
         if max(k_max, pld_k_max) <= 0 or not active.gates or active.forced_plain > 0:
             return None
         gate = active.gates.get(DRAFT)
@@ -370,20 +370,28 @@ class SpeculativeEngine:
         a long lookup match, or PLD's measured acceptance making it the better deal."""
         if pld_draft.match_length >= self.config.pld_preferred_match:
             pld_gate, draft_gate = active.gates[PLD], active.gates[DRAFT]
-            pld_gain = speedup(pld_gate.acceptance(), len(pld_draft.tokens), self.cost, PLD)
+            acceptance = pld_gate.acceptance(pld_draft.match_length)
+            pld_gain = speedup(acceptance, len(pld_draft.tokens), self.cost, PLD)
             draft_gain = speedup(draft_gate.acceptance(), draft_k, self.cost, DRAFT)
             return pld_gain >= draft_gain
         return False
 
     def _propose_pld(self, active: _Active, k_max: int) -> Draft | None:
+        """The lookup's proposal, cut to the length its match length's acceptance makes
+        worth verifying (None: not due, nothing found, or not worth it this step)."""
         gate = active.gates[PLD]
-        k = gate.draft_length(k_max, self.cost)
-        if k == 0:
+        if not gate.due:
             return None
-        draft = active.pld.propose(active.tokens, k)
+        draft = active.pld.propose(active.tokens, k_max)
         if not gate.open and (draft is None or draft.match_length < self.config.pld_probe_match):
             gate.postpone()  # a probe needs real evidence of repetition
             return None
+        if draft is None:
+            return None
+        k = gate.draft_length(k_max, self.cost, match=draft.match_length)
+        if k == 0:
+            return None
+        draft.tokens = draft.tokens[:k]
         return draft
 
     def _verify(self, active: _Active, draft: Draft) -> list[StepOutput]:
@@ -456,8 +464,8 @@ class SpeculativeEngine:
         self.totals.record(draft.method, k, accepted)
         gate = active.gates[draft.method]
         measured = self._measured(draft.method)
-        k_max = self._request_k(active.seq, draft.method)
-        if gate.record(k, accepted, k_max, self.cost, measured):
+        k_max = self.request_k(active.seq, draft.method)
+        if gate.record(k, accepted, k_max, self.cost, measured, draft.match_length):
             active.seq.spec.trip("runtime")
             self.totals.trip("runtime")
 

@@ -344,3 +344,24 @@ def test_a_commit_failing_during_hand_over_fails_only_that_request(tiny_model_di
     assert engine.active is None
     assert state.seq.finish_reason == FinishReason.ERROR
     assert outputs[-1].finish_reason == FinishReason.ERROR and "broken" in outputs[-1].error
+
+
+def test_prompt_lookup_drafts_past_the_draft_models_k_when_copies_run_long(pld_engine, reference):
+    """Prompt lookup's drafts cost nothing to make, so a long copy gets drafts longer
+    than --num-draft-tokens (4 here), up to the cap, and stays exact; a request's own
+    num_draft_tokens still caps them."""
+    prompt_ids = reference.tokenizer.encode(CODE_PROMPT)
+    bias = repetitive_bias(reference.tokenizer, 1)
+    sampling = SamplingParams(temperature=0.0, logit_bias=bias)
+    processors = make_logits_processors(logit_bias=dict(bias))
+    plain = reference.greedy_tokens(prompt_ids, 120, logits_processors=processors)
+    seq, _ = run(pld_engine, prompt_ids, 120, sampling=sampling, ignore_eos=True)
+    assert seq.generated == plain
+    assert len(seq.spec.accepted_per_position) > 4
+    assert seq.spec.accepted_per_position[4] > 0  # a fifth drafted token was accepted
+    capped = SpeculationOverrides(num_draft_tokens=2)
+    seq, _ = run(
+        pld_engine, prompt_ids, 120, sampling=sampling, ignore_eos=True, speculation=capped
+    )
+    assert seq.generated == plain
+    assert len(seq.spec.accepted_per_position) == 2

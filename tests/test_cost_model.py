@@ -300,3 +300,17 @@ def test_few_observations_of_a_position_lean_on_the_one_before():
     first, _, third = gate.acceptance()
     assert first == pytest.approx(0.5, abs=0.1)
     assert third < 0.85
+
+
+def test_prompt_lookup_skips_weak_matches_and_keeps_drafting_strong_ones():
+    """Three-token matches copy (all accepted); one-token matches almost never do. The
+    gate learns that per match length: it stops drafting from one-token matches but
+    stays open, and drafts long from three-token ones."""
+    gate = MethodGate(PLD, alpha=0.5)
+    for _ in range(8):
+        gate.record(4, 4, 8, CPU_COSTS, match=3)
+        gate.record(4, 0, 8, CPU_COSTS, match=1)
+    assert gate.acceptance(1)[0] < 0.3 < 0.8 < gate.acceptance(3)[0]
+    assert gate.draft_length(8, CPU_COSTS, match=1) == 0
+    assert gate.open  # a weak match that does not pay is skipped, the gate stays open
+    assert gate.draft_length(8, CPU_COSTS, match=3) >= 6

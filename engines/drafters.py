@@ -137,6 +137,8 @@ class DraftModelDrafter:
         the first (a seeded request's draws are keyed by it)."""
         if k <= 0:
             return None
+        if not processors:
+            return self._draft_chain(state, context, k, params, rng, position)
         logits = self._catch_up(state, context)
         history = list(context)
         tokens: list[int] = []
@@ -152,6 +154,42 @@ class DraftModelDrafter:
             if i + 1 < k:
                 logits = self._forward(state, [token])
         return Draft(DRAFT, tokens, mx.stack(probs) if probs else None)
+
+    def _draft_chain(
+        self,
+        state: DraftState,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        rng: RandomStream,
+        position: int,
+    ) -> Draft:
+        """Without logits processors a draft token needs no history on the Python side,
+        so the k draft steps are queued as one lazy chain -- each token fed to the next
+        forward as an array and evaluated asynchronously, as mlx_lm's speculative loop
+        does -- and read once at the end: one wait per proposal instead of one per
+        token (on a small draft model the waits, not the compute, were most of a draft
+        step). The same operations and keys as `choose_draft_token`, so the same
+        tokens."""
+        logits = self._catch_up(state, context)
+        tokens, probs = [], []
+        for i in range(k):
+            logprobs = logits[None] - mx.logsumexp(logits[None], axis=-1, keepdims=True)
+            if params.greedy:
+                token = mx.argmax(logprobs, axis=-1)
+            else:
+                scaled = filter_logprobs(params, logprobs) * (1.0 / params.temperature)
+                q = mx.softmax(scaled, axis=-1)
+                token = mx.random.categorical(mx.log(q), key=rng.draw_key(position + i))
+                probs.append(q[0])
+            mx.async_eval(token)
+            tokens.append(token)
+            if i + 1 < k:
+                logits = self.model(token[None], cache=state.cache)[0, -1, : self.vocab_size]
+                logits = logits.astype(mx.float32)
+        drafted = mx.concatenate(tokens).tolist()
+        state.fed.extend(drafted[:-1])  # every draft token but the last was fed
+        return Draft(DRAFT, drafted, mx.stack(probs) if probs else None)
 
     def _catch_up(self, state: DraftState, context: list[int]) -> mx.array:
         """Roll back to the shared prefix (keeping one token to feed), feed the rest."""

@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.sample_utils import make_logits_processors
 
+from engines.drafters import DraftModelDrafter, DraftState
 from engines.gates import CostModel
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
@@ -365,3 +366,30 @@ def test_prompt_lookup_drafts_past_the_draft_models_k_when_copies_run_long(pld_e
     )
     assert seq.generated == plain
     assert len(seq.spec.accepted_per_position) == 2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_lazy_draft_chain_proposes_what_token_by_token_drafting_does(
+    tiny_model_dir, perturbed_draft_dir, reference, temperature
+):
+    """Without processors the draft model's k steps run as one lazy chain read once;
+    with one (here a no-op) they run token by token. Same tokens, same q, same cache."""
+    registry = ModelRegistry.load(str(tiny_model_dir), str(perturbed_draft_dir))
+    drafter = DraftModelDrafter(registry.draft.model, registry.draft.vocab_size)
+    context = reference.tokenizer.encode(STORY_PROMPT)
+    params = SamplingParams(temperature=temperature)
+
+    def unchanged(tokens, logits):
+        return logits
+
+    chain_state, stepwise_state = DraftState(), DraftState()
+    chain = drafter.propose(chain_state, context, 6, params, RandomStream.from_seed(7))
+    stepwise = drafter.propose(
+        stepwise_state, context, 6, params, RandomStream.from_seed(7), [unchanged]
+    )
+    assert chain.tokens == stepwise.tokens
+    assert chain_state.fed == stepwise_state.fed == [*context, *chain.tokens[:-1]]
+    if temperature:
+        assert mx.allclose(chain.probs, stepwise.probs).item()
+    else:
+        assert chain.probs is None and stepwise.probs is None

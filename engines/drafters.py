@@ -169,18 +169,12 @@ class DraftModelDrafter:
         forward as an array and evaluated asynchronously, as mlx_lm's speculative loop
         does -- and read once at the end: one wait per proposal instead of one per
         token (on a small draft model the waits, not the compute, were most of a draft
-        step). The same operations and keys as `choose_draft_token`, so the same
-        tokens."""
+        step). The same `draft_token` as token-by-token drafting, so the same tokens."""
         logits = self._catch_up(state, context)
         tokens, probs = [], []
         for i in range(k):
-            logprobs = logits[None] - mx.logsumexp(logits[None], axis=-1, keepdims=True)
-            if params.greedy:
-                token = mx.argmax(logprobs, axis=-1)
-            else:
-                scaled = filter_logprobs(params, logprobs) * (1.0 / params.temperature)
-                q = mx.softmax(scaled, axis=-1)
-                token = mx.random.categorical(mx.log(q), key=rng.draw_key(position + i))
+            token, q = draft_token(logits[None], params, rng, None, [], position + i)
+            if q is not None:
                 probs.append(q[0])
             mx.async_eval(token)
             tokens.append(token)
@@ -222,6 +216,27 @@ def shared_prefix(fed: list[int], context: list[int]) -> int:
     return shared
 
 
+def draft_token(
+    logits: mx.array,
+    params: SamplingParams,
+    rng: RandomStream,
+    processors: list | None,
+    history: list[int],
+    position: int,
+) -> tuple[mx.array, mx.array | None]:
+    """The draft's next token (for output `position`; lazy, shape (1,)) from (1, V)
+    logits after the request's processors: argmax when greedy, else a sample from q
+    (returned, (1, V) float32). A seeded request samples with the key the target will
+    use at that position, so draft and target draws are coupled."""
+    for processor in processors or ():
+        logits = processor(mx.array(history), logits)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if params.greedy:
+        return mx.argmax(logprobs, axis=-1), None
+    q = mx.softmax(filter_logprobs(params, logprobs) * (1.0 / params.temperature), axis=-1)
+    return mx.random.categorical(mx.log(q), key=rng.draw_key(position)), q
+
+
 def choose_draft_token(
     logits: mx.array,
     params: SamplingParams,
@@ -230,15 +245,6 @@ def choose_draft_token(
     history: list[int],
     position: int,
 ) -> tuple[int, mx.array | None]:
-    """The draft's next token (for output `position`) from (1, V) logits after the
-    request's processors: argmax when greedy, else a sample from q (returned, (1, V)
-    float32). A seeded request samples with the key the target will use at that
-    position, so draft and target draws are coupled."""
-    for processor in processors or ():
-        logits = processor(mx.array(history), logits)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    if params.greedy:
-        return int(mx.argmax(logprobs, axis=-1).item()), None
-    q = mx.softmax(filter_logprobs(params, logprobs) * (1.0 / params.temperature), axis=-1)
-    token = mx.random.categorical(mx.log(q), key=rng.draw_key(position))
+    """`draft_token`, read: the token as an int."""
+    token, q = draft_token(logits, params, rng, processors, history, position)
     return int(token.item()), q

@@ -134,50 +134,27 @@ class DraftModelDrafter:
         position: int = 0,
     ) -> Draft | None:
         """Up to k draft tokens after `context`; `position` is the output position of
-        the first (a seeded request's draws are keyed by it)."""
-        if k <= 0:
-            return None
-        if not processors:
-            return self._draft_chain(state, context, k, params, rng, position)
-        logits = self._catch_up(state, context)
-        history = list(context)
-        tokens: list[int] = []
-        probs = []
-        for i in range(k):
-            token, q = choose_draft_token(
-                logits[None], params, rng, processors, history, position + i
-            )
-            tokens.append(token)
-            history.append(token)
-            if q is not None:
-                probs.append(q[0])
-            if i + 1 < k:
-                logits = self._forward(state, [token])
-        return Draft(DRAFT, tokens, mx.stack(probs) if probs else None)
+        the first (a seeded request's draws are keyed by it).
 
-    def _draft_chain(
-        self,
-        state: DraftState,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        rng: RandomStream,
-        position: int,
-    ) -> Draft:
-        """Without logits processors a draft token needs no history on the Python side,
-        so the k draft steps are queued as one lazy chain -- each token fed to the next
+        The k draft steps are queued as one lazy chain -- each token fed to the next
         forward as an array and evaluated asynchronously, as mlx_lm's speculative loop
         does -- and read once at the end: one wait per proposal instead of one per
         token (on a small draft model the waits, not the compute, were most of a draft
-        step). The same `draft_token` as token-by-token drafting, so the same tokens."""
+        step). Processors see the history as a lazy array too; one that needs its
+        values (a grammar) reads them itself."""
+        if k <= 0:
+            return None
         logits = self._catch_up(state, context)
+        history = mx.array(context, dtype=mx.int32) if processors else None
         tokens, probs = [], []
         for i in range(k):
-            token, q = draft_token(logits[None], params, rng, None, [], position + i)
+            token, q = draft_token(logits[None], params, rng, processors, history, position + i)
             if q is not None:
                 probs.append(q[0])
             mx.async_eval(token)
             tokens.append(token)
+            if history is not None:
+                history = mx.concatenate([history, token.astype(mx.int32)])
             if i + 1 < k:
                 logits = self.model(token[None], cache=state.cache)[0, -1, : self.vocab_size]
                 logits = logits.astype(mx.float32)
@@ -221,15 +198,15 @@ def draft_token(
     params: SamplingParams,
     rng: RandomStream,
     processors: list | None,
-    history: list[int],
+    history: mx.array | None,
     position: int,
 ) -> tuple[mx.array, mx.array | None]:
     """The draft's next token (for output `position`; lazy, shape (1,)) from (1, V)
-    logits after the request's processors: argmax when greedy, else a sample from q
-    (returned, (1, V) float32). A seeded request samples with the key the target will
-    use at that position, so draft and target draws are coupled."""
+    logits after the request's processors (which see `history`): argmax when greedy,
+    else a sample from q (returned, (1, V) float32). A seeded request samples with the
+    key the target will use at that position, so draft and target draws are coupled."""
     for processor in processors or ():
-        logits = processor(mx.array(history), logits)
+        logits = processor(history, logits)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if params.greedy:
         return mx.argmax(logprobs, axis=-1), None
@@ -246,5 +223,6 @@ def choose_draft_token(
     position: int,
 ) -> tuple[int, mx.array | None]:
     """`draft_token`, read: the token as an int."""
-    token, q = draft_token(logits, params, rng, processors, history, position)
+    tokens = mx.array(history, dtype=mx.int32) if processors else None
+    token, q = draft_token(logits, params, rng, processors, tokens, position)
     return int(token.item()), q

@@ -244,8 +244,8 @@ class MethodGate:
         rate, reached = self.first_by_match[match]
         return (_shrunk(rate, reached, pooled[0]), *(pooled[1:] or pooled))
 
-    def expected(self, k: int, match: int = 0) -> float:
-        return expected_tokens(self.acceptance(match), k)
+    def expected(self, k: int) -> float:
+        return expected_tokens(self.acceptance(), k)
 
     def draft_length(
         self, k_max: int, cost: CostModel, measured: Measured | None = None, match: int = 0
@@ -307,7 +307,7 @@ class MethodGate:
         if match and drafted:
             first = self.first_by_match.setdefault(match, [0.0, 0])
             first[1] += 1
-            first[0] += max(self.weight, 1.0 / first[1]) * ((accepted > 0) - first[0])
+            first[0] = self._learned(first[0], float(accepted > 0), first[1])
         attempts = accepted + (1 if accepted < drafted else 0)
         for i in range(attempts):  # positions after the first rejection were not tried
             hit = 1.0 if i < accepted else 0.0
@@ -315,8 +315,7 @@ class MethodGate:
                 self.rates.append(hit)
                 self.reached.append(0)
             self.reached[i] += 1
-            step = max(self.weight, 1.0 / self.reached[i])  # a plain mean at first
-            self.rates[i] += step * (hit - self.rates[i])
+            self.rates[i] = self._learned(self.rates[i], hit, self.reached[i])
         pays = self._pays(k_max, cost, measured)
         was_open, self.open = self.open, pays
         if pays:
@@ -325,6 +324,11 @@ class MethodGate:
         self.cooldown = self.backoff
         self.backoff = min(self.backoff * 2, self.max_backoff)
         return was_open
+
+    def _learned(self, rate: float, hit: float, observations: int) -> float:
+        """A rate after its n-th observation: a plain mean at first, then a running
+        average with `weight`."""
+        return running_average(rate, hit, max(self.weight, 1.0 / observations))
 
     def close(self) -> None:
         """Start closed (prompt gate): the first probe comes after a doubled back-off."""

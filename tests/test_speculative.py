@@ -372,8 +372,9 @@ def test_prompt_lookup_drafts_past_the_draft_models_k_when_copies_run_long(pld_e
 def test_a_lazy_draft_chain_proposes_what_token_by_token_drafting_does(
     tiny_model_dir, perturbed_draft_dir, reference, temperature
 ):
-    """Without processors the draft model's k steps run as one lazy chain read once;
-    with one (here a no-op) they run token by token. Same tokens, same q, same cache."""
+    """The draft model's k steps run as one lazy chain read once, with or without
+    processors (here a no-op one, which sees the history as a lazy array): same
+    tokens, same q, same cache."""
     registry = ModelRegistry.load(str(tiny_model_dir), str(perturbed_draft_dir))
     drafter = DraftModelDrafter(registry.draft.model, registry.draft.vocab_size)
     context = reference.tokenizer.encode(STORY_PROMPT)

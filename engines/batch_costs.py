@@ -10,6 +10,14 @@ sum_i E_i / cost; K = 0 is plain batching, and with one row this is the single-s
 Costs start from the single-stream startup measurement (verify cost of n tokens
 relative to a plain step, extended linearly past the measured n) and are replaced by
 seconds measured on the engine's own forwards as they accumulate.
+
+Predictions are then checked against outcomes, as the single-stream gates do: per
+batch size and kind of step (plain, prompt lookup, draft model), running averages of
+the tokens each step really committed and the seconds it really took beside what was
+predicted for it. Their ratio calibrates that kind's predicted rate, so drafting that
+measurably commits fewer tokens per second than plain steps at this batch size stops,
+whatever the cause (optimistic acceptance, forward sizes that cost more than their
+neighbours, bookkeeping). A plain step now and then keeps the comparison current.
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from engines.gates import MIN_SPEEDUP, Acceptance, CostModel, expected_tokens
+from engines.gates import MIN_SPEEDUP, Acceptance, CostModel, expected_tokens, running_average
+
+PLAIN, LOOKUP, MODEL = "plain", "lookup", "model"  # kinds of batched step
 
 
 @dataclass
@@ -29,6 +39,46 @@ class RowOption:
     acceptance: Acceptance
     cap: int
     uses_draft_model: bool
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A step's draft length K, whether the draft model runs, and what is predicted for
+    it: committed tokens and cost (seconds once forwards are measured)."""
+
+    k: int
+    with_model: bool
+    tokens: float
+    cost: float
+
+    @property
+    def kind(self) -> str:
+        return MODEL if self.with_model else LOOKUP if self.k else PLAIN
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.cost
+
+
+@dataclass
+class _Outcome:
+    """Running averages of one kind of step's real tokens and seconds and of the tokens
+    and seconds predicted for it; real rate over predicted rate calibrates the kind."""
+
+    averages: tuple[float, float, float, float] | None = None
+    steps: int = 0
+
+    def add(self, values: tuple[float, float, float, float], weight: float) -> None:
+        self.steps += 1
+        old = self.averages or (None,) * 4
+        self.averages = tuple(
+            running_average(o, v, weight) for o, v in zip(old, values, strict=True)
+        )
+
+    @property
+    def factor(self) -> float:
+        tokens, seconds, predicted_tokens, predicted_seconds = self.averages
+        return (tokens / seconds) / (predicted_tokens / predicted_seconds)
 
 
 @dataclass
@@ -56,8 +106,12 @@ class BatchCosts:
     learn: bool = True
     min_samples: int = 3
     explore_every: int = 8
+    outcome_weight: float = 0.1
+    plain_every: int = 48
     target: dict[int, _Average] = field(default_factory=dict)
     draft: dict[int, _Average] = field(default_factory=dict)
+    outcomes: dict[tuple[int, str], _Outcome] = field(default_factory=dict)
+    since_plain: dict[int, int] = field(default_factory=dict)  # drafting steps, by rows
     decisions: int = 0
 
     def observe_target(self, tokens: int, seconds: float) -> None:
@@ -79,6 +133,31 @@ class BatchCosts:
             return known[rows].value
         return self.prior.draft_step * self.target_cost(rows)
 
+    def observe_outcome(self, rows: int, plan: BatchPlan, tokens: int, seconds: float) -> None:
+        """A verify step of `rows` rows as served: the tokens it committed and its wall
+        time from planning to commit. Predictions made in the prior's units (before any
+        forward was measured) are not comparable with seconds and are skipped."""
+        if not self.learn or not self._target_known():
+            return
+        self.since_plain[rows] = 0 if plan.kind == PLAIN else self.since_plain.get(rows, 0) + 1
+        outcome = self.outcomes.setdefault((rows, plan.kind), _Outcome())
+        outcome.add((float(tokens), seconds, plan.tokens, plan.cost), self.outcome_weight)
+
+    def calibration(self, rows: int, kind: str) -> float:
+        """Measured rate over predicted rate of `kind` steps at `rows` rows (1 until
+        measured `min_samples` times)."""
+        outcome = self.outcomes.get((rows, kind))
+        return outcome.factor if outcome and outcome.steps >= self.min_samples else 1.0
+
+    def plain_probe_due(self, rows: int) -> bool:
+        """While drafting runs at `rows` rows, a plain step until plain steps there are
+        measured, and then one every `plain_every` drafting steps."""
+        if not self.learn or not self._target_known():
+            return False
+        plain = self.outcomes.get((rows, PLAIN))
+        unmeasured = plain is None or plain.steps < self.min_samples
+        return unmeasured or self.since_plain.get(rows, 0) >= self.plain_every
+
     def _target_known(self) -> bool:
         return any(a.samples >= self.min_samples for a in self.target.values())
 
@@ -94,21 +173,18 @@ class BatchCosts:
         cost = self.target_cost(rows * (1 + k))
         return cost + (k * self.draft_cost(rows) if draft_model and k else 0.0)
 
-    def explore(
-        self, choice: tuple[int, bool], rates: dict[tuple[int, bool], float], rows: int
-    ) -> tuple[int, bool]:
-        """Now and then, the best-rated choice one draft token longer or shorter whose
+    def explore(self, choice: BatchPlan, plans: dict[BatchPlan, float], rows: int) -> BatchPlan:
+        """Now and then, the best-rated plan one draft token longer or shorter whose
         forward size (rows * (1 + K) tokens) has too few measurements."""
         self.decisions += 1
         if not self.learn or self.decisions % self.explore_every:
             return choice
-        k = choice[0]
         unmeasured = [
-            option
-            for option in rates
-            if abs(option[0] - k) == 1 and self._samples(rows * (1 + option[0])) < self.min_samples
+            plan
+            for plan in plans
+            if abs(plan.k - choice.k) == 1 and self._samples(rows * (1 + plan.k)) < self.min_samples
         ]
-        return max(unmeasured, key=rates.get) if unmeasured else choice
+        return max(unmeasured, key=plans.get) if unmeasured else choice
 
     def _samples(self, tokens: int) -> int:
         average = self.target.get(tokens)
@@ -120,6 +196,10 @@ class BatchCosts:
                 n: round(a.value, 6) for n, a in sorted(self.target.items())
             },
             "draft_seconds_by_rows": {n: round(a.value, 6) for n, a in sorted(self.draft.items())},
+            "calibration_by_rows": {
+                f"{rows}/{kind}": round(self.calibration(rows, kind), 3)
+                for rows, kind in sorted(list(self.outcomes))
+            },
         }
 
 
@@ -147,26 +227,28 @@ def _scaled(known: dict[int, float], n: int, prior) -> float:
     return known[nearest] * prior(n) / prior(nearest)
 
 
-def choose_draft_length(
-    costs: BatchCosts, rows: list[list[RowOption]], k_max: int
-) -> tuple[int, bool]:
-    """(K, run the draft model) maximising expected committed tokens per unit cost.
+def choose_draft_length(costs: BatchCosts, rows: list[list[RowOption]], k_max: int) -> BatchPlan:
+    """The plan (K, run the draft model) maximising committed tokens per second.
 
     `rows[i]` lists row i's drafting options (empty: the row just decodes). A row
-    drafts with whichever option yields more at the chosen K. Every `explore_every`
-    decisions, a neighbouring K whose forward size has not been measured yet is
-    tried instead, so a pessimistic prior cannot keep the best K from being found."""
+    drafts with whichever option yields more at the chosen K. Each kind's predicted
+    rate is scaled by its measured calibration at this batch size, and drafting must
+    beat plain decoding by `MIN_SPEEDUP`. Every `explore_every` decisions, a
+    neighbouring K whose forward size has not been measured yet is tried instead, so a
+    pessimistic prior cannot keep the best K from being found."""
     batch = len(rows)
     any_model = any(o.uses_draft_model for options in rows for o in options)
-    rates = {(0, False): batch / costs.step_cost(batch, 0, False)}
+    plain = BatchPlan(0, False, float(batch), costs.step_cost(batch, 0, False))
+    plans = [plain]
     for k in range(1, k_max + 1):
         for with_model in (False, True) if any_model else (False,):
             tokens = sum(_row_expectation(options, k, with_model) for options in rows)
-            rates[(k, with_model)] = tokens / costs.step_cost(batch, k, with_model)
-    best = max(rates, key=rates.get)
-    if rates[best] < rates[(0, False)] * MIN_SPEEDUP:
-        best = (0, False)
-    return costs.explore(best, rates, batch)
+            plans.append(BatchPlan(k, with_model, tokens, costs.step_cost(batch, k, with_model)))
+    rated = {plan: plan.rate * costs.calibration(batch, plan.kind) for plan in plans}
+    best = max(rated, key=rated.get)
+    if rated[best] < rated[plain] * MIN_SPEEDUP or costs.plain_probe_due(batch):
+        best = plain
+    return costs.explore(best, rated, batch)
 
 
 def _row_expectation(options: list[RowOption], k: int, with_model: bool) -> float:

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs, pad_vocab
-from engines.batch_costs import BatchCosts, RowOption, choose_draft_length
+from engines.batch_costs import BatchCosts, BatchPlan, RowOption, choose_draft_length
 from engines.batched_drafting import BatchRow, draft_with_model, roll_back_draft
 from engines.drafters import DRAFT, PLD, DraftState, PromptLookupDrafter, shared_prefix
 from engines.gates import expected_tokens
@@ -207,8 +207,10 @@ class BatchedSpeculativeEngine:
         self._prefilled_last = False
         if not self.rows:
             return []
-        k, with_model = self._plan()
-        if with_model:
+        started, rows = time.perf_counter(), len(self.rows)
+        plan = self._plan()
+        k = plan.k
+        if plan.with_model:
             started = time.perf_counter()
             steady = all(len(row.tokens) - len(row.draft_fed) <= 2 for row in self.rows)
             draft_with_model(
@@ -223,7 +225,10 @@ class BatchedSpeculativeEngine:
             self.forward_seconds += seconds
             if steady:  # a long catch-up is not what each drafted token costs
                 self.costs.observe_draft(len(self.rows), seconds / k)
-        return self._verify(k)
+        outputs = self._verify(k)
+        committed = sum(len(output.token_ids) for output in outputs)
+        self.costs.observe_outcome(rows, plan, committed, time.perf_counter() - started)
+        return outputs
 
     def _prefill_chunk(self) -> list[StepOutput]:
         """One chunk of every prompt in the first group (target and draft caches).
@@ -296,8 +301,8 @@ class BatchedSpeculativeEngine:
 
     # ---- planning -----------------------------------------------------------------------
 
-    def _plan(self) -> tuple[int, bool]:
-        """Each row's PLD proposal and drafting options; the step's K."""
+    def _plan(self) -> BatchPlan:
+        """Each row's PLD proposal and drafting options; the step's plan."""
         options, caps = [], []
         for row in self.rows:
             row.drafts, row.probs, row.method = [], None, None
@@ -315,12 +320,15 @@ class BatchedSpeculativeEngine:
                 row_options.append(RowOption(row.gates[DRAFT].acceptance(), cap, True))
             options.append(row_options)
         k_max = max(caps, default=0)
+        batch = len(self.rows)
         if k_max == 0:
-            return 0, False
-        k, with_model = choose_draft_length(self.costs, options, k_max)
+            return BatchPlan(0, False, float(batch), self.costs.step_cost(batch, 0, False))
+        plan = choose_draft_length(self.costs, options, k_max)
         for row, row_options in zip(self.rows, options, strict=True):
-            self._choose_method(row, row_options, k, with_model)
-        return k, with_model and any(row.method == DRAFT for row in self.rows)
+            self._choose_method(row, row_options, plan.k, plan.with_model)
+        if plan.with_model and not any(row.method == DRAFT for row in self.rows):
+            plan = replace(plan, with_model=False, cost=self.costs.step_cost(batch, plan.k, False))
+        return plan
 
     def _row_cap(self, row: BatchRow, method: str) -> int:
         """The longest draft `method` may propose for the row (the single-stream rule)."""

@@ -4,11 +4,18 @@ pessimistic prior cannot hide the best K."""
 
 from __future__ import annotations
 
+import pytest
+
 from engines.batch_costs import BatchCosts, RowOption, choose_draft_length
 from engines.gates import CostModel
 
 FLAT = CostModel.assumed(9, per_token=0.02, draft_step=0.05)
 STEEP = CostModel.assumed(9, per_token=1.0, draft_step=0.05)
+
+
+def choice(costs: BatchCosts, options: list[list[RowOption]], k_max: int) -> tuple[int, bool]:
+    plan = choose_draft_length(costs, options, k_max)
+    return plan.k, plan.with_model
 
 
 def rows(count: int, alpha: float, cap: int = 4, model: bool = True) -> list[list[RowOption]]:
@@ -17,18 +24,18 @@ def rows(count: int, alpha: float, cap: int = 4, model: bool = True) -> list[lis
 
 def test_high_acceptance_on_cheap_verifies_drafts_the_longest():
     costs = BatchCosts(FLAT, learn=False)
-    assert choose_draft_length(costs, rows(4, 0.95), 4) == (4, True)
+    assert choice(costs, rows(4, 0.95), 4) == (4, True)
 
 
 def test_when_verifying_costs_as_much_as_decoding_the_batch_decodes_plainly():
     costs = BatchCosts(STEEP, learn=False)
-    assert choose_draft_length(costs, rows(8, 0.5), 4) == (0, False)
+    assert choice(costs, rows(8, 0.5), 4) == (0, False)
 
 
 def test_rows_without_options_decode_and_pld_needs_no_draft_model():
     costs = BatchCosts(FLAT, learn=False)
     options = [[RowOption(0.9, 3, False)], []]
-    assert choose_draft_length(costs, options, 4) == (3, False)
+    assert choice(costs, options, 4) == (3, False)
 
 
 def test_measured_costs_replace_the_prior_and_change_the_choice():
@@ -37,8 +44,7 @@ def test_measured_costs_replace_the_prior_and_change_the_choice():
         costs.observe_target(4, 0.040)  # plain step of 4 rows
         costs.observe_target(20, 0.400)  # K = 4: ten times the cost
     assert costs.target_cost(20) == 0.400
-    choice = choose_draft_length(costs, rows(4, 0.6), 4)
-    assert choice[0] < 4
+    assert choice(costs, rows(4, 0.6), 4)[0] < 4
 
 
 def test_measured_costs_are_made_monotone_in_tokens():
@@ -55,6 +61,52 @@ def test_an_unmeasured_neighbouring_k_is_tried_every_few_decisions():
     costs = BatchCosts(STEEP, explore_every=4)
     for _ in range(3):
         costs.observe_target(4, 0.040)  # only the plain step is measured
-    choices = [choose_draft_length(costs, rows(4, 0.9), 4) for _ in range(8)]
+    choices = [choice(costs, rows(4, 0.9), 4) for _ in range(8)]
     assert choices.count((0, False)) == 6
     assert all(k == 1 for k, _ in choices if k != 0), "exploration tries K = 1"
+
+
+def measured_forwards(costs: BatchCosts, batch: int) -> None:
+    """Forward costs measured (in seconds) for a plain step and K = 4 at `batch` rows."""
+    for _ in range(costs.min_samples):
+        costs.observe_target(batch, 0.040)
+        costs.observe_target(batch * 5, 0.050)
+
+
+def serve_plain(costs: BatchCosts, batch: int, steps: int) -> None:
+    plain = choose_draft_length(costs, [[] for _ in range(batch)], 0)
+    assert plain.k == 0
+    for _ in range(steps):
+        costs.observe_outcome(batch, plain, batch, plain.cost)
+
+
+def test_drafting_that_measurably_commits_less_per_second_than_plain_stops():
+    costs = BatchCosts(FLAT, explore_every=1000)
+    options = rows(4, 0.9, model=False)
+    measured_forwards(costs, 4)
+    assert choice(costs, options, 4) == (0, False), "plain steps are measured first"
+    serve_plain(costs, 4, costs.min_samples)
+    drafting = choose_draft_length(costs, options, 4)
+    assert drafting.k == 4 and drafting.rate > 1.5 * 4 / 0.040
+    for _ in range(8):  # as served: no more tokens than a plain step, in more time
+        costs.observe_outcome(4, drafting, 4, drafting.cost)
+    assert costs.calibration(4, "lookup") < 0.6
+    assert choice(costs, options, 4) == (0, False)
+
+    measured_forwards(costs, 2)  # another batch size keeps its own measurements
+    serve_plain(costs, 2, costs.min_samples)
+    assert choice(costs, rows(2, 0.9, model=False), 4)[0] > 0
+
+
+def test_drafting_that_pays_as_predicted_keeps_running_with_a_plain_step_now_and_then():
+    costs = BatchCosts(FLAT, explore_every=1000, plain_every=10)
+    options = rows(4, 0.9, model=False)
+    measured_forwards(costs, 4)
+    serve_plain(costs, 4, costs.min_samples)
+    choices = []
+    for _ in range(22):
+        plan = choose_draft_length(costs, options, 4)
+        choices.append(plan.k)
+        costs.observe_outcome(4, plan, round(plan.tokens), plan.cost)
+    assert choices.count(0) == 2 and choices[10] == 0 and choices[21] == 0
+    assert costs.calibration(4, "lookup") == pytest.approx(1.0, rel=0.1)

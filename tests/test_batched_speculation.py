@@ -12,6 +12,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
+from engines.batch_costs import BatchCosts
 from engines.batched_spec import BatchedSpeculativeEngine
 from engines.gates import CostModel
 from engines.ragged_cache import RaggedKVCache, ragged_from_rows
@@ -318,6 +319,40 @@ def test_each_row_has_its_own_ngram_index(tiny_model_dir, reference):
     assert seqs["b"].generated == reference.greedy_tokens(b, 20)
     rows_seen = {id(row.pld) for row in engine.rows}
     assert len(rows_seen) == len(engine.rows)
+
+
+def test_the_batch_checks_its_predictions_against_what_steps_commit(tiny_model_dir, reference):
+    """With costs learned while serving, every verify's real tokens and seconds are kept
+    beside its prediction, by batch size and kind of step -- plain steps included, the
+    rate drafting has to beat -- and the output stays exact."""
+    registry = ModelRegistry.load(str(tiny_model_dir))
+    spec = SpeculativeEngine(registry, SpecConfig(), cost=COST)
+    costs = BatchCosts(COST)
+    engine = BatchedSpeculativeEngine(registry, spec, prefill_step_size=64, costs=costs)
+    registry.transfer(engine.name)
+    tokenizer = reference.tokenizer
+    bias = repetitive_bias(tokenizer)
+    processors = make_logits_processors(logit_bias=dict(bias))
+    prompts = [tokenizer.encode(p) for p in (CODE_PROMPT, PROMPTS[0])]
+    requests = [
+        GenerationRequest(
+            f"loop{i}",
+            tuple(p),
+            80,
+            SamplingParams(temperature=0.0, logit_bias=bias),
+            ignore_eos=True,
+        )
+        for i, p in enumerate(prompts)
+    ]
+    seqs, _, _ = run_batch(engine, requests)
+    for request, prompt in zip(requests, prompts, strict=True):
+        expected = reference.greedy_tokens(prompt, 80, logits_processors=processors)
+        assert seqs[request.request_id].generated == expected
+    plain, lookup = costs.outcomes[(2, "plain")], costs.outcomes[(2, "lookup")]
+    assert plain.steps >= costs.min_samples, "plain steps are measured beside drafting"
+    assert plain.averages[0] == pytest.approx(2.0), "a plain step commits one token per row"
+    assert lookup.steps > 0 and lookup.averages[0] > 2.0
+    assert costs.calibration(2, "lookup") > 0
 
 
 # ---- sampled distribution ------------------------------------------------------------

@@ -9,7 +9,9 @@ sum_i E_i / cost; K = 0 is plain batching, and with one row this is the single-s
 
 Costs start from the single-stream startup measurement (verify cost of n tokens
 relative to a plain step, extended linearly past the measured n) and are replaced by
-seconds measured on the engine's own forwards as they accumulate.
+seconds measured on the engine's own forwards as they accumulate: plain steps at
+different batch sizes measure the cost curve in tokens, and sizes between or past
+measured ones follow it (`_scaled`).
 
 Predictions are then checked against outcomes, as the single-stream gates do: per
 batch size and kind of step (plain, prompt lookup, draft model), running averages of
@@ -217,14 +219,32 @@ def _monotone(known: dict[int, _Average]) -> dict[int, float]:
 
 
 def _scaled(known: dict[int, float], n: int, prior) -> float:
-    """Measured seconds for n when known; else the nearest measured point scaled by
-    the prior's ratio; else the prior ratio itself (all callers compare like units)."""
+    """Seconds for a forward over n tokens, from the measured points: exact when n was
+    measured; between two measured sizes, on the line joining them; past the largest,
+    along the slope of the measured upper half (on a compute-bound device every extra
+    token costs about the same, which the single-stream prior, measured on few tokens,
+    cannot know), never below the nearest measured point scaled by the prior's ratio;
+    otherwise that scaled point, or the prior ratio itself before anything was measured
+    (all callers compare like units)."""
     if n in known:
         return known[n]
     if not known:
         return prior(n)
+    sizes = sorted(known)
+    below = [m for m in sizes if m < n]
+    above = [m for m in sizes if m > n]
+    if below and above:
+        low, high = below[-1], above[0]
+        return known[low] + (known[high] - known[low]) * (n - low) / (high - low)
     nearest = min(known, key=lambda m: (abs(m - n), m))
-    return known[nearest] * prior(n) / prior(nearest)
+    by_prior = known[nearest] * prior(n) / prior(nearest)
+    if not below or len(sizes) < 2:
+        return by_prior
+    top = sizes[-1]
+    base = next(m for m in sizes if m >= top / 2)
+    base = base if base < top else sizes[-2]
+    slope = (known[top] - known[base]) / (top - base)
+    return max(known[top] + slope * (n - top), by_prior)
 
 
 def choose_draft_length(costs: BatchCosts, rows: list[list[RowOption]], k_max: int) -> BatchPlan:

@@ -383,13 +383,19 @@ class Scheduler:
     @property
     def speculation_costs(self) -> dict | None:
         """The single-stream cost model in use (verify and draft-step costs relative to a
-        plain step), what was measured at start-up, and how many steps taught it."""
+        plain step), what was measured at start-up, and how many steps taught it; and the
+        batched engine's forward costs in seconds and its measured/predicted calibration
+        by batch size and kind of step (None until it starts)."""
         if self._spec is None:
             return None
         realized = self._spec.realized
+        batched = self._batched
         return {
             **self._spec.costs.snapshot(),
             "realized_tokens_per_s": realized.snapshot() if realized is not None else None,
+            "batched": (
+                batched.costs.as_dict() if isinstance(batched, BatchedSpeculativeEngine) else None
+            ),
         }
 
     @property

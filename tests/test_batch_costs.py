@@ -110,3 +110,20 @@ def test_drafting_that_pays_as_predicted_keeps_running_with_a_plain_step_now_and
         costs.observe_outcome(4, plan, round(plan.tokens), plan.cost)
     assert choices.count(0) == 2 and choices[10] == 0 and choices[21] == 0
     assert costs.calibration(4, "lookup") == pytest.approx(1.0, rel=0.1)
+
+
+def test_plain_steps_at_several_batch_sizes_predict_the_cost_of_wider_verifies():
+    """On a compute-bound device every token in a forward costs about the same: plain
+    steps of 2, 4 and 8 rows measure that slope, and a verify of 8 rows x 2 tokens is
+    predicted from it -- not from the single-stream prior's nearly flat verify costs --
+    so drafting at 40% acceptance does not look cheap at 8 rows."""
+    costs = BatchCosts(FLAT, explore_every=1000)
+    for rows_, seconds in ((2, 0.030), (4, 0.050), (8, 0.090)):
+        for _ in range(costs.min_samples):
+            costs.observe_target(rows_, seconds)
+    assert costs.target_cost(6) == pytest.approx(0.070)
+    assert costs.target_cost(16) == pytest.approx(0.170)
+    assert costs.target_cost(1) < 0.030
+    serve_plain(costs, 8, costs.min_samples)
+    assert choice(costs, rows(8, 0.4, model=False), 4) == (0, False)
+    assert choice(costs, rows(8, 0.95, model=False), 4)[0] > 0, "a looping batch still drafts"

@@ -2,7 +2,7 @@
 of a mode switch.
 
     tandem bench hybrid MODEL [--draft-model D] [--concurrency 1,2,4,8] [--max-tokens 64]
-        [--peer mlx_lm|none]
+        [--peer mlx_lm|none] [--rounds 3]
 
 Starts `tandem serve` once per mode on 127.0.0.1 -- hybrid (the default server:
 one request speculates alone, two or more speculate inside the batch), batch-only
@@ -10,9 +10,13 @@ one request speculates alone, two or more speculate inside the batch), batch-onl
 threshold no load reaches: requests beyond the first wait) and, with `--modes`,
 hybrid-wait (--spec-wait-budget: newcomers may wait that long for a speculative run
 when it measurably outruns batching) -- and load-tests each with `tandem bench serve`.
-Then, against the hybrid server, one long stream runs alone (speculative) and a
-second request arrives mid-stream: it reports the newcomer's TTFT and the first
-stream's largest inter-token gap around the switch vs its median gap.
+All servers run at once and are loaded one at a time, level by level; with `--rounds
+N` every server is measured N times, interleaved (reverse order on odd rounds), and
+the median round is reported with every round's tok/s, so a shared machine's drift
+weighs on all servers alike. Then, against the hybrid server, one long stream runs
+alone (speculative) and a second request arrives mid-stream: it reports the
+newcomer's TTFT and the first stream's largest inter-token gap around the switch vs
+its median gap.
 
 With `--peer mlx_lm` (the default; `--peer none` skips it) the same levels also run
 against `mlx_lm.server` on the same model (and, given a draft, `mlx_lm.server
@@ -28,12 +32,21 @@ import statistics
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
 
 from bench.models import resolve_model
-from bench.peer import PEER_MODEL_ID, add_peer_arguments, compare, comparison_lines, measure_peers
+from bench.peer import (
+    PEER_MODEL_ID,
+    add_peer_arguments,
+    compare,
+    comparison_lines,
+    peer_configs,
+    running_peer,
+)
 from bench.serve import main as bench_serve
 from bench.single_stream import free_port, start_server, stop_server
 
@@ -115,29 +128,75 @@ def main(argv: list[str] | None = None) -> dict:
         "model": model,
         "draft": draft,
         "blas": "unknown",
+        "rounds": args.rounds,
         "modes": {},
     }
-    for name in args.modes.split(","):
-        extra = MODES[name]
-        extra = [str(args.spec_wait_budget) if flag == "WAIT" else flag for flag in extra]
-        port = free_port()
-        proc = start_mode(model, draft, extra, port)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            measured = measure(url, levels, args)
-            results["blas"] = measured["blas"].get("blas", "unknown")
-            results["modes"][name] = {"levels": measured["levels"], "switches": mode_switches(url)}
-            if name == "hybrid":
-                results["switch"] = switch_probe(url, args.switch_tokens, 10, 24)
-        finally:
-            stop_server(proc)
-    if args.peer != "none":
-        add_peers(results, args, levels)
+    with ExitStack() as servers:
+        urls = {}
+        for name in args.modes.split(","):
+            extra = [str(args.spec_wait_budget) if f == "WAIT" else f for f in MODES[name]]
+            urls[name] = servers.enter_context(running_mode(model, draft, extra))
+        peers = peer_configs(draft, args.peer_num_draft_tokens) if args.peer != "none" else []
+        for config in peers:
+            urls[config.name] = servers.enter_context(running_peer(model, config))
+        measured = measure_interleaved(urls, {c.name for c in peers}, levels, args)
+        for name in args.modes.split(","):
+            results["blas"] = measured[name]["blas"].get("blas", "unknown")
+            results["modes"][name] = {**measured[name], "switches": mode_switches(urls[name])}
+        if "hybrid" in urls:
+            results["switch"] = switch_probe(urls["hybrid"], args.switch_tokens, 10, 24)
+    if peers:
+        add_peers(results, peers, measured, model)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2, default=str))
     print(report(results, levels))
     plot(results, args)
     return results
+
+
+@contextmanager
+def running_mode(model: str, draft: str | None, extra: list[str]) -> Iterator[str]:
+    port = free_port()
+    proc = start_mode(model, draft, extra, port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_server(proc)
+
+
+def measure_interleaved(
+    urls: dict[str, str], peers: set[str], levels: list[int], args: argparse.Namespace
+) -> dict[str, dict]:
+    """Every server started at once (idle ones cost nothing), then, round by round and
+    level by level, each loaded in turn -- in reverse order on odd rounds -- so a
+    machine that slows down or speeds up over minutes weighs on every server alike.
+    Per server and level: the round with the median output tok/s as the row, and every
+    round's tok/s beside it."""
+    runs: dict[str, dict[int, list[dict]]] = {name: {lv: [] for lv in levels} for name in urls}
+    blas: dict[str, dict] = {}
+    for round_index in range(args.rounds):
+        order = list(urls) if round_index % 2 == 0 else list(reversed(urls))
+        for level in levels:
+            for name in order:
+                model = PEER_MODEL_ID if name in peers else None
+                out = measure(urls[name], [level], args, model=model)
+                runs[name][level].append(out["levels"][level])
+                blas[name] = out["blas"]
+    return {
+        name: {
+            "levels": {lv: _median_row(rows) for lv, rows in by_level.items()},
+            "rounds_output_throughput": {
+                lv: [row["output_throughput"] for row in rows] for lv, rows in by_level.items()
+            },
+            "blas": blas[name],
+        }
+        for name, by_level in runs.items()
+    }
+
+
+def _median_row(rows: list[dict]) -> dict:
+    ranked = sorted(rows, key=lambda row: row["output_throughput"])
+    return ranked[(len(ranked) - 1) // 2]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -172,6 +231,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--output", type=Path, default=Path("bench/results/hybrid.json"))
     parser.add_argument("--plot", type=Path, help="PNG (default: the --output path, .png)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every server at every level this many times, interleaved; "
+        "report the median round",
+    )
     add_peer_arguments(parser, default="mlx_lm")
     return parser.parse_args(argv)
 
@@ -207,17 +273,17 @@ def measure(
     return {"levels": by_level, "blas": blas}
 
 
-def add_peers(results: dict, args: argparse.Namespace, levels: list[int]) -> None:
-    """mlx_lm.server (and with a draft, mlx_lm.server --draft-model) measured like the
-    modes; the hybrid rows compared with the better peer row at each level."""
-    peers = measure_peers(
-        results["model"],
-        results["draft"],
-        lambda url: measure(url, levels, args, model=PEER_MODEL_ID),
-        args.peer_num_draft_tokens,
-    )
-    peer_levels = {name: peer["levels"] for name, peer in peers.items()}
-    results["peers"] = peers
+def add_peers(results: dict, peers: list, measured: dict[str, dict], model: str) -> None:
+    """The peer rows beside the modes; the hybrid rows compared with the better peer row
+    at each level."""
+    results["peers"] = {
+        config.name: {
+            "peer": {"command": ["mlx_lm.server", "--model", model, *config.flags]},
+            **measured[config.name],
+        }
+        for config in peers
+    }
+    peer_levels = {name: peer["levels"] for name, peer in results["peers"].items()}
     results["peer_comparison"] = {
         name: compare(results["modes"][name]["levels"], peer_levels)
         for name in ("hybrid", "hybrid-wait")
@@ -280,6 +346,11 @@ def report(results: dict, levels: list[int]) -> str:
             lines.append(
                 f"{name} / best(batch-only, spec-only) at c={level}: {rate / best[level]:.2f}"
             )
+    if results.get("rounds", 1) > 1:
+        for name, data in {**results["modes"], **results.get("peers", {})}.items():
+            for level in levels:
+                rates = ", ".join(f"{r:.1f}" for r in data["rounds_output_throughput"][level])
+                lines.append(f"{name} c={level}: tok/s by round {rates}")
     for name, data in results["modes"].items():
         for level in levels:
             spec = data["levels"][level].get("speculative") or {}

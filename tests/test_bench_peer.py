@@ -235,8 +235,14 @@ def test_bench_hybrid_runs_the_peers_next_to_the_modes(
         [str(tiny_model_dir), "--draft-model", str(perturbed_draft_dir), "--concurrency", "1,2"]
         + ["--max-tokens", str(MAX_TOKENS), "--prompts-per-level", "2", "--dataset", "novel"]
         + ["--output", str(output), "--modes", "hybrid,hybrid-wait,batch-only,spec-only"]
+        + ["--rounds", "2"]
     )
     assert list(results["modes"]) == ["hybrid", "hybrid-wait", "batch-only", "spec-only"]
+    for server in [*results["modes"].values(), *results["peers"].values()]:
+        rounds = server["rounds_output_throughput"]
+        assert all(len(rates) == 2 and min(rates) > 0 for rates in rounds.values())
+        for level, row in server["levels"].items():  # the median round, of two the slower
+            assert row["output_throughput"] == min(rounds[level])
     assert list(results["peers"]) == ["mlx_lm", "mlx_lm+draft"]
     for peer in results["peers"].values():
         assert set(peer["levels"]) == {1, 2}

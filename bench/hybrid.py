@@ -54,6 +54,7 @@ MODES = {
     "hybrid": ["--batch-threshold", "2"],
     "hybrid-wait": ["--batch-threshold", "2", "--spec-wait-budget", "WAIT"],
     "batch-only": ["--batch-threshold", "1", "--no-pld", "--num-draft-tokens", "0"],
+    "hybrid-nodraft": ["--batch-threshold", "2", "--no-pld", "--num-draft-tokens", "0"],
     "spec-only": ["--batch-threshold", "100000", "--max-num-seqs", "1"],
 }
 SWITCH_PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play"
@@ -219,6 +220,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--dataset", default="mixed")
     parser.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="chat: the dataset's messages through the model's chat template",
+    )
+    parser.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="let requests end at EOS (real chat models) instead of --ignore-eos; the "
+        "peer comparison says whether both servers produced the same tokens",
+    )
+    parser.add_argument(
         "--switch-tokens",
         type=int,
         default=240,
@@ -256,14 +269,14 @@ def measure(
                 "--concurrency",
                 str(level),
                 "--endpoint",
-                "completions",
+                args.endpoint,
                 "--num-prompts",
                 str(max(4, args.prompts_per_level * level)),
                 "--max-tokens",
                 str(args.max_tokens),
                 "--dataset",
                 args.dataset,
-                "--ignore-eos",
+                *([] if args.stop_at_eos else ["--ignore-eos"]),
                 "--warmup",
                 "1",
             ]
@@ -299,7 +312,7 @@ def plot(results: dict, args: argparse.Namespace) -> None:
     rows = {**results["modes"], **results.get("peers", {})}
     shared = {
         "dataset": args.dataset,
-        "endpoint": "completions",
+        "endpoint": args.endpoint,
         "settings": {"max_tokens": args.max_tokens},
     }
     lines = [

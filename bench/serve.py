@@ -46,7 +46,7 @@ from bench.stats import (
 )
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-BUILTIN_DATASETS = ("echo", "novel", "mixed", "chat")
+BUILTIN_DATASETS = ("echo", "novel", "mixed", "chat", "code-edit", "code-novel")
 ENDPOINTS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",

@@ -1,6 +1,7 @@
 """The batched draft-length policy: K by expected tokens per measured second, costs
-learned from the engine's own forwards (monotone in tokens), and exploration so a
-pessimistic prior cannot hide the best K."""
+learned from the engine's own forwards (monotone in tokens, extended along the measured
+curve), predictions calibrated by what steps really committed per second, and
+exploration so a pessimistic prior cannot hide the best K."""
 
 from __future__ import annotations
 

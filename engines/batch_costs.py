@@ -52,12 +52,14 @@ class RowOption:
 @dataclass(frozen=True)
 class BatchPlan:
     """A step's draft length K, whether the draft model runs, and what is predicted for
-    it: committed tokens and cost (seconds once forwards are measured)."""
+    it: committed tokens and cost -- in seconds when `in_seconds` (some forward was
+    measured when it was made), else in the start-up prior's units."""
 
     k: int
     with_model: bool
     tokens: float
     cost: float
+    in_seconds: bool = False
 
     @property
     def kind(self) -> str:
@@ -141,11 +143,20 @@ class BatchCosts:
             return known[rows].value
         return self.prior.draft_step * self.target_cost(rows)
 
+    def plan(self, rows: int, k: int, with_model: bool, tokens: float) -> BatchPlan:
+        """A plan for `rows` rows with its predicted cost, in the units costs are in now."""
+        cost = self.step_cost(rows, k, with_model)
+        return BatchPlan(k, with_model, tokens, cost, in_seconds=self._target_known())
+
+    def plain_plan(self, rows: int) -> BatchPlan:
+        return self.plan(rows, 0, False, float(rows))
+
     def observe_outcome(self, rows: int, plan: BatchPlan, tokens: int, seconds: float) -> None:
         """A verify step of `rows` rows as served: the tokens it committed and its wall
-        time from planning to commit. Predictions made in the prior's units (before any
-        forward was measured) are not comparable with seconds and are skipped."""
-        if not self.learn or not self._target_known():
+        time from planning to commit. A plan predicted in the prior's units (made before
+        any forward was measured -- also on the step whose forward is the first to be
+        measured enough) is not comparable with seconds and is skipped."""
+        if not self.learn or not plan.in_seconds:
             return
         self.since_plain[rows] = 0 if plan.kind == PLAIN else self.since_plain.get(rows, 0) + 1
         outcome = self.outcomes.setdefault((rows, plan.kind), _Outcome())
@@ -265,12 +276,12 @@ def choose_draft_length(costs: BatchCosts, rows: list[list[RowOption]], k_max: i
     pessimistic prior cannot keep the best K from being found."""
     batch = len(rows)
     any_model = any(o.uses_draft_model for options in rows for o in options)
-    plain = BatchPlan(0, False, float(batch), costs.step_cost(batch, 0, False))
+    plain = costs.plain_plan(batch)
     plans = [plain]
     for k in range(1, k_max + 1):
         for with_model in (False, True) if any_model else (False,):
             tokens = sum(_row_expectation(options, k, with_model) for options in rows)
-            plans.append(BatchPlan(k, with_model, tokens, costs.step_cost(batch, k, with_model)))
+            plans.append(costs.plan(batch, k, with_model, tokens))
     rated = {plan: plan.rate * costs.calibration(batch, plan.kind) for plan in plans}
     best = max(rated, key=rated.get)
     margin = MIN_SPEEDUP if batch == 1 else BATCH_MIN_SPEEDUP

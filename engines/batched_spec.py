@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -211,7 +211,7 @@ class BatchedSpeculativeEngine:
         plan = self._plan()
         k = plan.k
         if plan.with_model:
-            started = time.perf_counter()
+            drafting = time.perf_counter()
             steady = all(len(row.tokens) - len(row.draft_fed) <= 2 for row in self.rows)
             draft_with_model(
                 self.draft_model,
@@ -221,7 +221,7 @@ class BatchedSpeculativeEngine:
                 self.draft_vocab,
                 self.prefill_step_size,
             )
-            seconds = time.perf_counter() - started
+            seconds = time.perf_counter() - drafting
             self.forward_seconds += seconds
             if steady:  # a long catch-up is not what each drafted token costs
                 self.costs.observe_draft(len(self.rows), seconds / k)
@@ -322,12 +322,12 @@ class BatchedSpeculativeEngine:
         k_max = max(caps, default=0)
         batch = len(self.rows)
         if k_max == 0:
-            return BatchPlan(0, False, float(batch), self.costs.step_cost(batch, 0, False))
+            return self.costs.plain_plan(batch)
         plan = choose_draft_length(self.costs, options, k_max)
         for row, row_options in zip(self.rows, options, strict=True):
             self._choose_method(row, row_options, plan.k, plan.with_model)
         if plan.with_model and not any(row.method == DRAFT for row in self.rows):
-            plan = replace(plan, with_model=False, cost=self.costs.step_cost(batch, plan.k, False))
+            plan = self.costs.plan(batch, plan.k, False, plan.tokens)
         return plan
 
     def _row_cap(self, row: BatchRow, method: str) -> int:

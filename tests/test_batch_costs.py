@@ -136,3 +136,17 @@ def test_plain_steps_at_several_batch_sizes_predict_the_cost_of_wider_verifies()
     assert choice(compute_bound, rows(8, 0.95, model=False), 4) == (0, False)
     assert memory_bound.target_cost(16) == pytest.approx(0.052)
     assert choice(memory_bound, rows(8, 0.95, model=False), 4)[0] > 0
+
+
+def test_a_plan_predicted_before_any_forward_was_measured_never_calibrates():
+    """The step whose forward is the third measurement of its size was planned in the
+    prior's units (ratios near 1), not seconds: comparing its outcome with seconds would
+    skew that batch size's calibration tenfold for dozens of steps."""
+    costs = BatchCosts(FLAT)
+    early = choose_draft_length(costs, [[] for _ in range(4)], 0)
+    assert not early.in_seconds
+    measured_forwards(costs, 4)  # the forward of that very step completes the measurement
+    costs.observe_outcome(4, early, 4, 0.040)
+    assert costs.outcomes == {}
+    serve_plain(costs, 4, costs.min_samples)
+    assert costs.calibration(4, "plain") == pytest.approx(1.0)

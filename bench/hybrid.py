@@ -46,6 +46,7 @@ from bench.peer import (
     comparison_lines,
     peer_configs,
     running_peer,
+    shown_command,
 )
 from bench.serve import main as bench_serve
 from bench.single_stream import free_port, start_server, stop_server
@@ -132,16 +133,17 @@ def main(argv: list[str] | None = None) -> dict:
         "rounds": args.rounds,
         "modes": {},
     }
+    modes = args.modes.split(",")
     with ExitStack() as servers:
         urls = {}
-        for name in args.modes.split(","):
+        for name in modes:
             extra = [str(args.spec_wait_budget) if f == "WAIT" else f for f in MODES[name]]
             urls[name] = servers.enter_context(running_mode(model, draft, extra))
         peers = peer_configs(draft, args.peer_num_draft_tokens) if args.peer != "none" else []
         for config in peers:
             urls[config.name] = servers.enter_context(running_peer(model, config))
         measured = measure_interleaved(urls, {c.name for c in peers}, levels, args)
-        for name in args.modes.split(","):
+        for name in modes:
             results["blas"] = measured[name]["blas"].get("blas", "unknown")
             results["modes"][name] = {**measured[name], "switches": mode_switches(urls[name])}
         if "hybrid" in urls:
@@ -291,7 +293,7 @@ def add_peers(results: dict, peers: list, measured: dict[str, dict], model: str)
     at each level."""
     results["peers"] = {
         config.name: {
-            "peer": {"command": ["mlx_lm.server", "--model", model, *config.flags]},
+            "peer": {"command": shown_command(model, config)},
             **measured[config.name],
         }
         for config in peers

@@ -73,6 +73,11 @@ def peer_configs(draft: str | None, num_draft_tokens: int | None = None) -> list
     return configs
 
 
+def shown_command(model: str, config: PeerConfig) -> list[str]:
+    """The peer's command as the report shows it (without host, port and interpreter)."""
+    return ["mlx_lm.server", "--model", model, *config.flags]
+
+
 def peer_command(model: str, port: int, config: PeerConfig) -> list[str]:
     server = [sys.executable, "-m", "mlx_lm", "server", "--model", model]
     listen = ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
@@ -135,7 +140,7 @@ def measure_peers(
     results = {}
     for config in peer_configs(draft, num_draft_tokens):
         with running_peer(model, config) as url:
-            command = ["mlx_lm.server", "--model", model, *config.flags]
+            command = shown_command(model, config)
             results[config.name] = {"peer": {"command": command}, **measure(url)}
     return results
 

@@ -20,6 +20,12 @@ predicted for it. Their ratio calibrates that kind's predicted rate, so drafting
 measurably commits fewer tokens per second than plain steps at this batch size stops,
 whatever the cause (optimistic acceptance, forward sizes that cost more than their
 neighbours, bookkeeping). A plain step now and then keeps the comparison current.
+
+Calibration corrects the average prediction, not the marginal choice: the steps a
+chooser picks for a small promised gain can still lose. So the outcomes also gate
+directly: a kind of drafting whose steps have really committed fewer tokens per second
+than plain steps at this batch size waits (`outcome_vetoes`), but for one probe step in
+`probe_every`, so rows that start to copy their context are noticed.
 """
 
 from __future__ import annotations
@@ -118,10 +124,12 @@ class BatchCosts:
     explore_every: int = 8
     outcome_weight: float = 0.1
     plain_every: int = 48
+    probe_every: int = 32
     target: dict[int, _Average] = field(default_factory=dict)
     draft: dict[int, _Average] = field(default_factory=dict)
     outcomes: dict[tuple[int, str], _Outcome] = field(default_factory=dict)
     since_plain: dict[int, int] = field(default_factory=dict)  # drafting steps, by rows
+    since_kind: dict[tuple[int, str], int] = field(default_factory=dict)  # steps without it
     decisions: int = 0
 
     def observe_target(self, tokens: int, seconds: float) -> None:
@@ -159,6 +167,9 @@ class BatchCosts:
         if not self.learn or not plan.in_seconds:
             return
         self.since_plain[rows] = 0 if plan.kind == PLAIN else self.since_plain.get(rows, 0) + 1
+        for kind in (LOOKUP, MODEL):
+            waited = self.since_kind.get((rows, kind), 0) + 1
+            self.since_kind[rows, kind] = 0 if plan.kind == kind else waited
         outcome = self.outcomes.setdefault((rows, plan.kind), _Outcome())
         outcome.add((float(tokens), seconds, plan.tokens, plan.cost), self.outcome_weight)
 
@@ -167,6 +178,26 @@ class BatchCosts:
         measured `min_samples` times)."""
         outcome = self.outcomes.get((rows, kind))
         return outcome.factor if outcome and outcome.steps >= self.min_samples else 1.0
+
+    def realized_rate(self, rows: int, kind: str) -> float | None:
+        """Tokens per second `kind` steps at `rows` rows really committed (None until
+        measured `min_samples` times)."""
+        outcome = self.outcomes.get((rows, kind))
+        if outcome is None or outcome.steps < self.min_samples:
+            return None
+        tokens, seconds, _, _ = outcome.averages
+        return tokens / seconds
+
+    def outcome_vetoes(self, rows: int, kind: str) -> bool:
+        """Whether `kind` steps at `rows` rows have really committed fewer tokens per
+        second than plain steps there, and are not due a probe (one step in
+        `probe_every` without them)."""
+        if kind == PLAIN:
+            return False
+        drafting, plain = self.realized_rate(rows, kind), self.realized_rate(rows, PLAIN)
+        if drafting is None or plain is None or drafting >= plain:
+            return False
+        return self.since_kind.get((rows, kind), 0) < self.probe_every
 
     def plain_probe_due(self, rows: int) -> bool:
         """While drafting runs at `rows` rows, a plain step until plain steps there are
@@ -219,6 +250,11 @@ class BatchCosts:
                 f"{rows}/{kind}": round(self.calibration(rows, kind), 3)
                 for rows, kind in sorted(list(self.outcomes))
             },
+            "realized_tokens_per_second_by_rows": {
+                f"{rows}/{kind}": round(rate, 2)
+                for rows, kind in sorted(list(self.outcomes))
+                if (rate := self.realized_rate(rows, kind)) is not None
+            },
         }
 
 
@@ -269,9 +305,10 @@ def choose_draft_length(costs: BatchCosts, rows: list[list[RowOption]], k_max: i
 
     `rows[i]` lists row i's drafting options (empty: the row just decodes). A row
     drafts with whichever option yields more at the chosen K. Each kind's predicted
-    rate is scaled by its measured calibration at this batch size, and drafting must
-    beat plain decoding by `MIN_SPEEDUP` (one row, the single-stream rule) or
-    `BATCH_MIN_SPEEDUP` (several rows). Every `explore_every` decisions, a
+    rate is scaled by its measured calibration at this batch size, a kind that has
+    really committed fewer tokens per second than plain steps here sits out (bar
+    probes), and drafting must beat plain decoding by `MIN_SPEEDUP` (one row, the
+    single-stream rule) or `BATCH_MIN_SPEEDUP` (several rows). Every `explore_every` decisions, a
     neighbouring K whose forward size has not been measured yet is tried instead, so a
     pessimistic prior cannot keep the best K from being found."""
     batch = len(rows)
@@ -282,7 +319,11 @@ def choose_draft_length(costs: BatchCosts, rows: list[list[RowOption]], k_max: i
         for with_model in (False, True) if any_model else (False,):
             tokens = sum(_row_expectation(options, k, with_model) for options in rows)
             plans.append(costs.plan(batch, k, with_model, tokens))
-    rated = {plan: plan.rate * costs.calibration(batch, plan.kind) for plan in plans}
+    rated = {
+        plan: plan.rate * costs.calibration(batch, plan.kind)
+        for plan in plans
+        if not costs.outcome_vetoes(batch, plan.kind)
+    }
     best = max(rated, key=rated.get)
     margin = MIN_SPEEDUP if batch == 1 else BATCH_MIN_SPEEDUP
     if rated[best] < rated[plain] * margin or costs.plain_probe_due(batch):

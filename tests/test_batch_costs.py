@@ -99,6 +99,40 @@ def test_drafting_that_measurably_commits_less_per_second_than_plain_stops():
     assert choice(costs, rows(2, 0.9, model=False), 4)[0] > 0
 
 
+def test_drafting_that_really_commits_less_per_second_than_plain_sits_out_but_for_probes():
+    """Calibration scales the average prediction, so a step predicted far above the
+    calibrating ones still looks worth drafting after calibration. What drafting steps
+    really committed per second, against plain steps at the same batch size, decides:
+    slower drafting waits, one probe step in `probe_every` runs it, and a probe that
+    pays brings it back."""
+    costs = BatchCosts(FLAT, explore_every=1000, probe_every=5)
+    measured_forwards(costs, 4)
+    serve_plain(costs, 4, costs.min_samples)  # 4 tokens per 0.040 s: 100 tokens/s
+    modest = costs.plan(4, 4, False, 8.0)  # predicted 160 tokens/s
+    for _ in range(costs.min_samples):
+        costs.observe_outcome(4, modest, 5, 0.055)  # served: 91 tokens/s
+    assert costs.calibration(4, "lookup") == pytest.approx((5 / 0.055) / 160)
+    assert costs.realized_rate(4, "lookup") < costs.realized_rate(4, "plain")
+
+    confident = rows(4, 0.95, model=False)
+    picks = []
+    for _ in range(11):
+        plan = choose_draft_length(costs, confident, 4)
+        picks.append(plan.k)
+        if plan.k:  # the probe: calibration alone would have drafted every step
+            assert plan.rate * costs.calibration(4, "lookup") > 1.5 * 100
+            costs.observe_outcome(4, plan, 5, 0.055)
+        else:
+            costs.observe_outcome(4, plan, 4, 0.040)
+    assert picks == [0] * 5 + [4] + [0] * 5
+
+    probe = choose_draft_length(costs, confident, 4)
+    assert probe.k == 4
+    costs.observe_outcome(4, probe, 20, 0.050)  # the rows now copy: 400 tokens/s
+    assert costs.realized_rate(4, "lookup") > costs.realized_rate(4, "plain")
+    assert choice(costs, confident, 4) == (4, False)
+
+
 def test_drafting_that_pays_as_predicted_keeps_running_with_a_plain_step_now_and_then():
     costs = BatchCosts(FLAT, explore_every=1000, plain_every=10)
     options = rows(4, 0.9, model=False)

@@ -452,3 +452,40 @@ def test_a_short_prompt_starts_decoding_while_a_long_one_still_prefills(perturbe
         engine.step()
     assert seqs["short"].generated == reference.greedy_tokens(short_prompt, 20)
     assert seqs["long"].generated == reference.greedy_tokens(long_prompt, 20)
+
+
+def test_a_burst_of_long_prompts_prefills_one_by_one_shortest_first(perturbed, reference):
+    """Rows of one prefill forward are padded to the longest, so long prompts do not
+    share a group: each prefills alone, the one with least left first, and gets its
+    first token as soon as its own prompt is in -- not when the whole burst is.
+    Short prompts still share one forward. Every output equals solo decoding."""
+    _, engine = perturbed  # prefill chunks of 64 tokens
+    tokenizer = reference.tokenizer
+    prompts = {
+        "long": tokenizer.encode(CODE_PROMPT * 3),
+        "longer": tokenizer.encode(CODE_PROMPT * 4),
+        "medium": tokenizer.encode(CODE_PROMPT * 2),
+        "short1": tokenizer.encode(PROMPTS[0]),
+        "short2": tokenizer.encode(PROMPTS[2]),
+    }
+    assert len(prompts["medium"]) > 64 // 2 and len(prompts["short2"]) < 64 // 2
+    seqs = {
+        rid: make_sequence(greedy_request(rid, ids, 8), tokenizer) for rid, ids in prompts.items()
+    }
+    for seq in seqs.values():
+        engine.add(seq)
+    assert [[r.seq.request_id for r in g.rows] for g in engine.groups] == [
+        ["long"],
+        ["longer"],
+        ["medium"],
+        ["short1", "short2"],
+    ]
+    first_token_order = []
+    while engine.batch_size:
+        for output in engine.step():
+            if output.token_ids and output.request_id not in first_token_order:
+                first_token_order.append(output.request_id)
+    assert set(first_token_order[:2]) == {"short1", "short2"}, "short prompts first"
+    assert first_token_order[2:] == ["medium", "long", "longer"]
+    for rid, ids in prompts.items():
+        assert seqs[rid].generated == reference.greedy_tokens(ids, 8), rid

@@ -183,8 +183,20 @@ class BatchedSpeculativeEngine:
 
     def extract(self, request_id: str) -> SequenceState:
         """Leave with the target cache of every committed token but the newest, and the
-        draft cache of exactly `draft_fed`."""
-        self._settle_groups_for(request_id)
+        draft cache of exactly `draft_fed` -- or, from a group still prefilling, with
+        what the group has prefilled so far (the receiving engine prefills the rest;
+        finishing the prefill here would commit a first token nobody publishes)."""
+        for group in self.groups:
+            for i, row in enumerate(group.rows):
+                if row.seq.request_id == request_id:
+                    cached = group.cache[0].lengths[i]
+                    cache = [layer.extract(i) for layer in group.cache]
+                    draft = None
+                    if group.draft_cache is not None:
+                        draft_cache = [layer.extract(i) for layer in group.draft_cache]
+                        draft = DraftState(draft_cache, list(row.draft_fed))
+                    self._leave_group(group, i)
+                    return SequenceState(row.seq, cache, cached, row.gates, row.pld, draft)
         index = self._index(request_id)
         row = self.rows[index]
         cache = [layer.extract(index) for layer in self.cache]
@@ -196,21 +208,12 @@ class BatchedSpeculativeEngine:
         cached = len(row.tokens) - 1
         return SequenceState(row.seq, cache, cached, row.gates, row.pld, draft)
 
-    def _settle_groups_for(self, request_id: str) -> None:
-        """A sequence still prefilling in a group is finished prefilling first."""
-        while group := next(
-            (g for g in self.groups if any(r.seq.request_id == request_id for r in g.rows)), None
-        ):
-            self._prefill_chunk(group)
-
     def cancel(self, request_id: str) -> bool:
         for group in self.groups:
             for i, row in enumerate(group.rows):
                 if row.seq.request_id == request_id:
                     row.seq.finish_reason = FinishReason.CANCELLED
-                    _remove_rows(group.rows, group.cache, group.draft_cache, [i])
-                    if not group.rows:
-                        self.groups.remove(group)
+                    self._leave_group(group, i)
                     return True
         for i, row in enumerate(self.rows):
             if row.seq.request_id == request_id:
@@ -218,6 +221,11 @@ class BatchedSpeculativeEngine:
                 self._drop([i])
                 return True
         return False
+
+    def _leave_group(self, group: _Group, index: int) -> None:
+        _remove_rows(group.rows, group.cache, group.draft_cache, [index])
+        if not group.rows:
+            self.groups.remove(group)
 
     def _index(self, request_id: str) -> int:
         return next(i for i, row in enumerate(self.rows) if row.seq.request_id == request_id)
@@ -273,12 +281,12 @@ class BatchedSpeculativeEngine:
             oldest.passed_over += 1
         return group
 
-    def _prefill_chunk(self, group: _Group | None = None) -> list[StepOutput]:
+    def _prefill_chunk(self) -> list[StepOutput]:
         """One chunk of every prompt in a group (`_next_group`; target and draft caches).
         A row whose cache then holds all but its newest token gets its next token from
         one small forward of the group (not a verify of the whole batch, so time to
         first token is the prefill plus one token) and joins the batch."""
-        group = group or self._next_group()
+        group = self._next_group()
         group.started = True
         started = time.perf_counter()
         feed_chunk(

@@ -489,3 +489,30 @@ def test_a_burst_of_long_prompts_prefills_one_by_one_shortest_first(perturbed, r
     assert first_token_order[2:] == ["medium", "long", "longer"]
     for rid, ids in prompts.items():
         assert seqs[rid].generated == reference.greedy_tokens(ids, 8), rid
+
+
+def test_a_row_leaving_mid_prefill_carries_its_partial_cache_and_loses_no_output(
+    perturbed, reference
+):
+    """A request whose prompt is still prefilling in a group (load fell to one and the
+    scheduler hands it back to the single-stream engine) leaves with the positions its
+    group has prefilled; the single-stream engine prefills the rest. Every token it
+    generates reaches the caller as an output, and the output is solo decoding's."""
+    spec, engine = perturbed  # prefill chunks of 64 tokens
+    registry = engine.registry
+    prompt = reference.tokenizer.encode(CODE_PROMPT * 4)
+    assert len(prompt) > 2 * 64
+    seq = make_sequence(greedy_request("mid", prompt, 12), registry.tokenizer)
+    registry.transfer(engine.name)
+    engine.add(seq)
+    published = [token for output in engine.step() for token in output.token_ids]
+    state = engine.extract("mid")
+    assert state.cached == 64 and not seq.generated, "left after one chunk, before its first token"
+    assert not engine.groups and not engine.batch_size
+    registry.transfer(spec.name)
+    spec.resume(state)
+    while spec.active is not None:
+        published += [token for output in spec.step() for token in output.token_ids]
+    registry.transfer(engine.name)
+    assert seq.generated == reference.greedy_tokens(prompt, 12)
+    assert published == seq.generated

@@ -128,8 +128,8 @@ class BatchCosts:
     target: dict[int, _Average] = field(default_factory=dict)
     draft: dict[int, _Average] = field(default_factory=dict)
     outcomes: dict[tuple[int, str], _Outcome] = field(default_factory=dict)
-    since_plain: dict[int, int] = field(default_factory=dict)  # drafting steps, by rows
-    since_kind: dict[tuple[int, str], int] = field(default_factory=dict)  # steps without it
+    # steps served at (rows) since a (rows, kind) step last ran
+    since: dict[tuple[int, str], int] = field(default_factory=dict)
     decisions: int = 0
 
     def observe_target(self, tokens: int, seconds: float) -> None:
@@ -166,10 +166,9 @@ class BatchCosts:
         measured enough) is not comparable with seconds and is skipped."""
         if not self.learn or not plan.in_seconds:
             return
-        self.since_plain[rows] = 0 if plan.kind == PLAIN else self.since_plain.get(rows, 0) + 1
-        for kind in (LOOKUP, MODEL):
-            waited = self.since_kind.get((rows, kind), 0) + 1
-            self.since_kind[rows, kind] = 0 if plan.kind == kind else waited
+        for kind in (PLAIN, LOOKUP, MODEL):
+            waited = self.since.get((rows, kind), 0) + 1
+            self.since[rows, kind] = 0 if plan.kind == kind else waited
         outcome = self.outcomes.setdefault((rows, plan.kind), _Outcome())
         outcome.add((float(tokens), seconds, plan.tokens, plan.cost), self.outcome_weight)
 
@@ -197,7 +196,7 @@ class BatchCosts:
         drafting, plain = self.realized_rate(rows, kind), self.realized_rate(rows, PLAIN)
         if drafting is None or plain is None or drafting >= plain:
             return False
-        return self.since_kind.get((rows, kind), 0) < self.probe_every
+        return self.since.get((rows, kind), 0) < self.probe_every
 
     def plain_probe_due(self, rows: int) -> bool:
         """While drafting runs at `rows` rows, a plain step until plain steps there are
@@ -206,7 +205,7 @@ class BatchCosts:
             return False
         plain = self.outcomes.get((rows, PLAIN))
         unmeasured = plain is None or plain.steps < self.min_samples
-        return unmeasured or self.since_plain.get(rows, 0) >= self.plain_every
+        return unmeasured or self.since.get((rows, PLAIN), 0) >= self.plain_every
 
     def _target_known(self) -> bool:
         return any(a.samples >= self.min_samples for a in self.target.values())
@@ -308,9 +307,9 @@ def choose_draft_length(costs: BatchCosts, rows: list[list[RowOption]], k_max: i
     rate is scaled by its measured calibration at this batch size, a kind that has
     really committed fewer tokens per second than plain steps here sits out (bar
     probes), and drafting must beat plain decoding by `MIN_SPEEDUP` (one row, the
-    single-stream rule) or `BATCH_MIN_SPEEDUP` (several rows). Every `explore_every` decisions, a
-    neighbouring K whose forward size has not been measured yet is tried instead, so a
-    pessimistic prior cannot keep the best K from being found."""
+    single-stream rule) or `BATCH_MIN_SPEEDUP` (several rows). Every `explore_every`
+    decisions, a neighbouring K whose forward size has not been measured yet is tried
+    instead, so a pessimistic prior cannot keep the best K from being found."""
     batch = len(rows)
     any_model = any(o.uses_draft_model for options in rows for o in options)
     plain = costs.plain_plan(batch)

@@ -151,9 +151,13 @@ class BatchCosts:
             return known[rows].value
         return self.prior.draft_step * self.target_cost(rows)
 
-    def plan(self, rows: int, k: int, with_model: bool, tokens: float) -> BatchPlan:
-        """A plan for `rows` rows with its predicted cost, in the units costs are in now."""
-        cost = self.step_cost(rows, k, with_model)
+    def plan(
+        self, rows: int, k: int, with_model: bool, tokens: float, draft_steps: int | None = None
+    ) -> BatchPlan:
+        """A plan for `rows` rows with its predicted cost, in the units costs are in now;
+        the draft model runs `draft_steps` forwards (default k: no drafting row's own
+        cap is shorter)."""
+        cost = self.step_cost(rows, k, with_model, draft_steps)
         return BatchPlan(k, with_model, tokens, cost, in_seconds=self._target_known())
 
     def plain_plan(self, rows: int) -> BatchPlan:
@@ -218,9 +222,12 @@ class BatchCosts:
         slope = (verify[-1] - verify[0]) / (len(verify) - 1) if len(verify) > 1 else verify[0]
         return verify[-1] + max(slope, 0.0) * (tokens - len(verify))
 
-    def step_cost(self, rows: int, k: int, draft_model: bool) -> float:
+    def step_cost(
+        self, rows: int, k: int, draft_model: bool, draft_steps: int | None = None
+    ) -> float:
         cost = self.target_cost(rows * (1 + k))
-        return cost + (k * self.draft_cost(rows) if draft_model and k else 0.0)
+        steps = k if draft_steps is None else min(k, draft_steps)
+        return cost + (steps * self.draft_cost(rows) if draft_model and k else 0.0)
 
     def explore(self, choice: BatchPlan, plans: dict[BatchPlan, float], rows: int) -> BatchPlan:
         """Now and then, the best-rated plan one draft token longer or shorter whose
@@ -311,13 +318,13 @@ def choose_draft_length(costs: BatchCosts, rows: list[list[RowOption]], k_max: i
     decisions, a neighbouring K whose forward size has not been measured yet is tried
     instead, so a pessimistic prior cannot keep the best K from being found."""
     batch = len(rows)
-    any_model = any(o.uses_draft_model for options in rows for o in options)
+    model_cap = max((o.cap for options in rows for o in options if o.uses_draft_model), default=0)
     plain = costs.plain_plan(batch)
     plans = [plain]
     for k in range(1, k_max + 1):
-        for with_model in (False, True) if any_model else (False,):
+        for with_model in (False, True) if model_cap else (False,):
             tokens = sum(_row_expectation(options, k, with_model) for options in rows)
-            plans.append(costs.plan(batch, k, with_model, tokens))
+            plans.append(costs.plan(batch, k, with_model, tokens, model_cap))
     rated = {
         plan: plan.rate * costs.calibration(batch, plan.kind)
         for plan in plans

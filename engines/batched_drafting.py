@@ -32,6 +32,7 @@ class BatchRow:
     pld: PromptLookupDrafter
     draft_fed: list[int] = field(default_factory=list)  # tokens in its draft-cache row
     drafts: list[int] = field(default_factory=list)  # this step's proposal
+    draft_length: int = 0  # how many tokens the draft model drafts for it this step
     probs: mx.array | None = None  # (k, V) q of a sampled draft-model proposal
     method: str | None = None
     match: int = 0  # the n-gram length of this step's prompt lookup proposal
@@ -51,11 +52,14 @@ def roll_back_draft(cache: list[RaggedKVCache], rows: list[BatchRow], index: int
 
 
 def draft_with_model(
-    model, cache: list[RaggedKVCache], rows: list[BatchRow], k: int, vocab: int, chunk: int
-) -> None:
-    """k draft tokens for every row whose method is DRAFT (into `row.drafts` and, when
-    sampled, `row.probs`); every row's draft cache catches up with its tokens."""
-    drafting = [row.method == DRAFT for row in rows]
+    model, cache: list[RaggedKVCache], rows: list[BatchRow], vocab: int, chunk: int
+) -> int:
+    """`row.draft_length` draft tokens for every row whose method is DRAFT (into
+    `row.drafts` and, when sampled, `row.probs`); every row's draft cache catches up
+    with its tokens. A row stops at its own length (its request's num_draft_tokens, the
+    tokens it has left) while others draft on. Returns the draft forwards run."""
+    lengths = [row.draft_length if row.method == DRAFT else 0 for row in rows]
+    k = max(lengths, default=0)
     pending = []
     for i, row in enumerate(rows):
         roll_back_draft(cache, rows, i)
@@ -70,15 +74,18 @@ def draft_with_model(
     proposals: list[list[int]] = [[] for _ in rows]
     probs: list[list[mx.array]] = [[] for _ in rows]
     for step in range(k):
+        drafting = [step < length for length in lengths]
         tokens = _choose(rows, logits.astype(mx.float32), drafting, proposals, probs)
         if step + 1 == k:
             break
-        feed = [[t] if drafting[i] else [] for i, t in enumerate(tokens)]
+        # a row feeds its draft only if it drafts another after it
+        feed = [[t] if step + 1 < lengths[i] else [] for i, t in enumerate(tokens)]
         logits = _feed(model, cache, rows, feed)[:, 0, :vocab]
     for i, row in enumerate(rows):
-        if drafting[i]:
+        if lengths[i]:
             row.drafts = proposals[i]
             row.probs = mx.stack(probs[i]) if probs[i] else None
+    return k
 
 
 def _feed(model, cache, rows: list[BatchRow], tokens: list[list[int]]) -> mx.array:

@@ -253,18 +253,17 @@ class BatchedSpeculativeEngine:
         if plan.with_model:
             drafting = time.perf_counter()
             steady = all(len(row.tokens) - len(row.draft_fed) <= 2 for row in self.rows)
-            draft_with_model(
+            forwards = draft_with_model(
                 self.draft_model,
                 self.draft_cache,
                 self.rows,
-                k,
                 self.draft_vocab,
                 self.prefill_step_size,
             )
             seconds = time.perf_counter() - drafting
             self.forward_seconds += seconds
             if steady:  # a long catch-up is not what each drafted token costs
-                self.costs.observe_draft(len(self.rows), seconds / k)
+                self.costs.observe_draft(len(self.rows), seconds / forwards)
         outputs = self._verify(k)
         committed = sum(len(output.token_ids) for output in outputs)
         self.costs.observe_outcome(rows, plan, committed, time.perf_counter() - started)
@@ -356,7 +355,7 @@ class BatchedSpeculativeEngine:
         """Each row's PLD proposal and drafting options; the step's plan."""
         options, caps = [], []
         for row in self.rows:
-            row.drafts, row.probs, row.method = [], None, None
+            row.drafts, row.probs, row.method, row.draft_length = [], None, None, 0
             cap, pld_cap = self._row_cap(row, DRAFT), self._row_cap(row, PLD)
             caps.append(max(cap, pld_cap))
             row_options = []
@@ -396,17 +395,18 @@ class BatchedSpeculativeEngine:
         if k == 0:
             row.drafts, row.method = [], None
             return
-        best, method = 0.0, None
+        best, chosen = 0.0, None
         for option in options:
             if option.uses_draft_model and not with_model:
                 continue
             gain = expected_tokens(option.acceptance, min(k, option.cap))
             if gain > best:
-                best, method = gain, DRAFT if option.uses_draft_model else PLD
-        if method == PLD:
+                best, chosen = gain, option
+        if chosen is not None and not chosen.uses_draft_model:
             row.drafts = row.drafts[:k]
         else:
-            row.drafts, row.method = [], method
+            row.drafts, row.method = [], chosen and DRAFT
+            row.draft_length = min(k, chosen.cap) if chosen else 0
 
     # ---- verification -----------------------------------------------------------------
 

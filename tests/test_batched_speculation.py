@@ -516,3 +516,41 @@ def test_a_row_leaving_mid_prefill_carries_its_partial_cache_and_loses_no_output
     registry.transfer(engine.name)
     assert seq.generated == reference.greedy_tokens(prompt, 12)
     assert published == seq.generated
+
+
+def test_a_draft_model_row_drafts_no_more_than_its_own_num_draft_tokens(self_draft, reference):
+    """Beside a row drafting 4, a request that asked for num_draft_tokens=1 drafts one
+    token per step (before, every draft-model row drafted the batch's longest K)."""
+    _, engine = self_draft
+    a, b = (reference.tokenizer.encode(PROMPTS[i]) for i in (0, 2))
+    requests = [
+        greedy_request(
+            "one", a, 40, speculation=SpeculationOverrides(num_draft_tokens=1, enable_pld=False)
+        ),
+        greedy_request(
+            "four", b, 40, speculation=SpeculationOverrides(num_draft_tokens=4, enable_pld=False)
+        ),
+    ]
+    seqs, _, _ = run_batch(engine, requests)
+    assert seqs["one"].generated == reference.greedy_tokens(a, 40)
+    assert seqs["four"].generated == reference.greedy_tokens(b, 40)
+    one, four = seqs["one"].spec.by_method["draft"], seqs["four"].spec.by_method["draft"]
+    assert one.drafts > 0 and one.draft_tokens == one.drafts, seqs["one"].spec.as_dict()
+    assert four.draft_tokens > four.drafts  # the other row really drafted longer
+
+
+def test_a_draft_model_row_drafts_no_further_than_its_max_tokens(self_draft, reference):
+    """A row with two tokens left drafts at most one (the second comes from the verify);
+    drafts past max_tokens would be counted as accepted though never emitted."""
+    _, engine = self_draft
+    a, b = (reference.tokenizer.encode(PROMPTS[i]) for i in (0, 2))
+    no_pld = SpeculationOverrides(enable_pld=False)
+    requests = [
+        greedy_request("short", a, 3, speculation=no_pld),
+        greedy_request("long", b, 40, speculation=no_pld),
+    ]
+    seqs, _, _ = run_batch(engine, requests)
+    assert seqs["short"].generated == reference.greedy_tokens(a, 3)
+    stats = seqs["short"].spec.by_method["draft"]
+    assert stats.drafts > 0 and stats.draft_tokens <= stats.drafts, seqs["short"].spec.as_dict()
+    assert stats.accepted_tokens <= 1

@@ -224,6 +224,11 @@ class MethodGate:
     # prompt lookup: the first position's [rate, verifies] by the length of the n-gram
     # match that proposed the draft (a one-token match is a much weaker hint than three)
     first_by_match: dict[int, list[float]] = field(default_factory=dict)
+    # what this method's verifies really committed per second in this request
+    outcome_tokens: float | None = None
+    outcome_seconds: float | None = None
+    outcomes: int = 0
+    min_outcomes: int = 8
 
     def acceptance(self, match: int = 0) -> tuple[float, ...]:
         """Per-position acceptance a_1, a_2, ...: each position's running rate, pulled
@@ -324,6 +329,23 @@ class MethodGate:
         self.cooldown = self.backoff
         self.backoff = min(self.backoff * 2, self.max_backoff)
         return was_open
+
+    def observe_outcome(self, seconds: float, tokens: int) -> None:
+        """A verify of this method as served: its wall time and the tokens it committed."""
+        self.outcomes += 1
+        weight = max(self.weight, 1.0 / self.outcomes)
+        self.outcome_tokens = running_average(self.outcome_tokens, float(tokens), weight)
+        self.outcome_seconds = running_average(self.outcome_seconds, seconds, weight)
+
+    def measured_against(self, plain_rate: float | None) -> Measured | None:
+        """This request's drafting with the method, as served, against plain steps'
+        tokens/s (None until both are known). For prompt lookup, whose worth depends on
+        the request's own text: a prediction built from acceptance runs seen earlier
+        (the output copied its prompt, then stopped) must give way to what the
+        request's verifies commit now."""
+        if plain_rate is None or self.outcomes < self.min_outcomes or not self.outcome_seconds:
+            return None
+        return Measured(self.outcome_tokens / self.outcome_seconds / plain_rate, {})
 
     def _learned(self, rate: float, hit: float, observations: int) -> float:
         """A rate after its n-th observation: a plain mean at first, then a running
@@ -466,7 +488,9 @@ class RealizedRates:
     steps in `stale_after`)."""
 
     weight: float = 0.1
-    min_steps: int = 4
+    min_steps: int = 4  # plain steps (they start from the start-up measurement)
+    min_draft_steps: int = 12  # drafting steps: their yield varies step to step (a few
+    # unlucky drafts must not decide that drafting is slower)
     stale_after: int = 48
     explore_every: int = 8
     seconds: dict[str, float] = field(default_factory=dict)
@@ -492,8 +516,9 @@ class RealizedRates:
         self.steps[kind] = seen + 1
         if seen == 0:  # warm-up, like OnlineCosts
             return
+        weight = max(self.weight, 1.0 / seen)  # a plain mean at first, then running
         for average, value in ((self.seconds, seconds), (self.tokens, float(tokens))):
-            average[kind] = running_average(average.get(kind), value, self.weight)
+            average[kind] = running_average(average.get(kind), value, weight)
         self.since_plain = 0 if kind == PLAIN else self.since_plain + 1
 
     def observe_draft(
@@ -513,7 +538,8 @@ class RealizedRates:
         ]
 
     def rate(self, kind: str) -> float | None:
-        if self.steps.get(kind, 0) <= self.min_steps:
+        enough = self.min_steps if kind == PLAIN else self.min_draft_steps
+        if self.steps.get(kind, 0) <= enough:
             return None
         return self.tokens[kind] / self.seconds[kind]
 

@@ -51,6 +51,9 @@ from engines.telemetry import SpecStats
 
 log = logging.getLogger(__name__)
 
+REALIZED_CATCH_UP = 32  # a draft catch-up longer than this is a prompt (or a return
+# from batching), a once-per-request cost left out of what drafting steps give
+
 
 @dataclass(frozen=True)
 class SpecConfig:
@@ -253,14 +256,20 @@ class SpeculativeEngine:
                 # Only steady proposals: a catch-up prefill of the draft (new request,
                 # return from batching) is a once-per-request cost like the prompt's
                 # prefill, not what a drafting step costs.
-                steady = draft.method != DRAFT or active.draft.caught_up <= 2
-                if draft.method == DRAFT and steady:
+                caught_up = active.draft.caught_up if draft.method == DRAFT else 0
+                if draft.method == DRAFT and caught_up <= 2:
                     self.costs.observe_draft(len(draft.tokens), proposed - started)
                 outputs = self._verify(active, draft)
                 finished = time.perf_counter()
                 self.costs.observe_verify(len(draft.tokens) + 1, finished - proposed)
-                if self.realized is not None and draft.method == DRAFT and steady:
-                    committed = sum(len(o.token_ids) for o in outputs)
+                committed = sum(len(o.token_ids) for o in outputs)
+                if draft.method == PLD and PLD in active.gates:
+                    active.gates[PLD].observe_outcome(finished - started, committed)
+                # What drafting gave includes catching the draft up on tokens committed
+                # by other steps (a prompt lookup run, a probe after plain steps): only
+                # a prompt's worth is left out. Excluding every catch-up left a gate
+                # closed by a few unlucky drafts with no evidence to reopen it.
+                if self.realized and draft.method == DRAFT and caught_up <= REALIZED_CATCH_UP:
                     self.realized.observe_draft(
                         DRAFT, len(draft.tokens), finished - started, committed, active.predicted
                     )
@@ -330,10 +339,16 @@ class SpeculativeEngine:
     def _next_step_is_plain(self, active: _Active) -> bool:
         return active.forced_plain > 0 or not any(gate.due for gate in active.gates.values())
 
-    def _measured(self, method: str) -> Measured | None:
-        """What drafting with the draft model gave as served (other methods: None; PLD
-        pays or not by its request's content, which the server's average hides)."""
-        return self.realized.measured(method) if self.realized and method == DRAFT else None
+    def _measured(self, method: str, active: _Active | None = None) -> Measured | None:
+        """What drafting with `method` gave as served: the draft model's over the server
+        (a property of the model pair), prompt lookup's over this request alone (it
+        pays or not by the request's content, which the server's average hides)."""
+        if self.realized is None:
+            return None
+        if method == DRAFT:
+            return self.realized.measured(method)
+        gate = active.gates.get(method) if active is not None else None
+        return gate.measured_against(self.realized.rate(PLAIN)) if gate is not None else None
 
     # ---- drafting and verification ---------------------------------------------
 
@@ -388,7 +403,7 @@ class SpeculativeEngine:
             return None
         if draft is None:
             return None
-        k = gate.draft_length(k_max, self.cost, match=draft.match_length)
+        k = gate.draft_length(k_max, self.cost, self._measured(PLD, active), draft.match_length)
         if k == 0:
             return None
         draft.tokens = draft.tokens[:k]
@@ -463,7 +478,7 @@ class SpeculativeEngine:
         active.seq.spec.record(draft.method, k, accepted)
         self.totals.record(draft.method, k, accepted)
         gate = active.gates[draft.method]
-        measured = self._measured(draft.method)
+        measured = self._measured(draft.method, active)
         k_max = self.request_k(active.seq, draft.method)
         if gate.record(k, accepted, k_max, self.cost, measured, draft.match_length):
             active.seq.spec.trip("runtime")

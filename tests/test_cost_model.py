@@ -157,8 +157,10 @@ def test_a_draft_accepted_half_the_time_drafts_until_measured_slower():
 def test_realized_rates_compare_drafting_with_plain_and_ask_for_probes():
     rates = RealizedRates.starting_from(plain_seconds=0.02)  # 50 tokens/s at start-up
     assert rates.speedup(DRAFT) is None
-    for _ in range(rates.min_steps + 1):
+    for _ in range(rates.min_draft_steps):
         rates.observe(DRAFT, 0.03, 3)  # 100 tokens/s drafting
+    assert rates.speedup(DRAFT) is None  # a few drafting steps do not make a verdict
+    rates.observe(DRAFT, 0.03, 3)
     assert rates.speedup(DRAFT) == pytest.approx(2.0)
     assert not rates.plain_probe_due()
     for _ in range(rates.stale_after):
@@ -233,7 +235,7 @@ def test_each_draft_length_is_judged_by_what_it_gave_when_served():
     gate = MethodGate(DRAFT, alpha=0.55)
     assert gate.open_length(4, cost, None) == 1  # the prediction alone
     rates = RealizedRates.starting_from(plain_seconds=0.040)
-    for _ in range(rates.min_steps + 2):
+    for _ in range(rates.min_draft_steps // 2 + 2):
         # k=1: 1.55 tokens per step, as predicted, but at 1.42 plain steps, not 1.29
         rates.observe_draft(DRAFT, 1, 0.040 * 1.42, 1.55, (1.55, 1.29))
         # k=4: 2.6 tokens per step where 2.11 were predicted, at the predicted cost
@@ -314,3 +316,52 @@ def test_prompt_lookup_skips_weak_matches_and_keeps_drafting_strong_ones():
     assert gate.draft_length(8, CPU_COSTS, match=1) == 0
     assert gate.open  # a weak match that does not pay is skipped, the gate stays open
     assert gate.draft_length(8, CPU_COSTS, match=3) >= 6
+
+
+def test_prompt_lookup_that_commits_less_per_second_than_plain_stops_for_the_request():
+    """The output copied its prompt for a while, so the gate learned long runs and keeps
+    drafting seven tokens; now each such verify commits about 1.3 tokens in 1.75 plain
+    steps. Once this request's own verifies show that (fewer tokens per second than
+    plain steps), the prediction gives way and the gate stops drafting."""
+    plain_rate = 25.0  # tokens/s of plain steps (0.04 s each)
+    gate = MethodGate(PLD, alpha=0.5)
+    for _ in range(6):
+        gate.record(7, 7, 8, CPU_COSTS, match=3)  # the copying stretch
+    assert gate.open_length(8, CPU_COSTS, None, match=3) >= 6
+    assert gate.measured_against(plain_rate) is None  # no outcome seen yet
+    for step in range(gate.min_outcomes):
+        gate.observe_outcome(0.07, 2 if step % 3 == 0 else 1)
+    measured = gate.measured_against(plain_rate)
+    assert measured.speedup == pytest.approx((4 / 3) / 0.07 / plain_rate, rel=0.15)
+    assert gate.open_length(8, CPU_COSTS, measured, match=3) == 0
+    # the same verifies committing 3.5 tokens each would have paid: it keeps drafting
+    paying = MethodGate(PLD, alpha=0.5)
+    for _ in range(6):
+        paying.record(7, 7, 8, CPU_COSTS, match=3)
+    for _ in range(paying.min_outcomes):
+        paying.observe_outcome(0.07, 3.5)
+    assert paying.open_length(8, CPU_COSTS, paying.measured_against(plain_rate), match=3) > 0
+
+
+def test_the_engine_feeds_each_request_s_prompt_lookup_outcomes_to_its_gate(tiny_model_dir):
+    """Served with measured costs (as a server runs), every prompt lookup verify is
+    timed into the request's own gate, so its drafting is judged by what it gives."""
+    registry = ModelRegistry.load(str(tiny_model_dir))
+    engine = SpeculativeEngine(registry, SpecConfig())
+    registry.transfer(engine.name)
+    prompt = registry.tokenizer.encode("one two three four five six seven. " * 8)
+    request = GenerationRequest(
+        "r",
+        tuple(prompt),
+        48,
+        SamplingParams(temperature=0.0),
+        ignore_eos=True,
+        speculation=SpeculationOverrides(enable_pld=True),
+    )
+    seq = make_sequence(request, registry.tokenizer)
+    engine.add(seq)
+    gate = engine.active.gates[PLD]
+    while engine.active is not None:
+        engine.step()
+    lookups = seq.spec.by_method["pld"].drafts if "pld" in seq.spec.by_method else 0
+    assert lookups > 0 and gate.outcomes == lookups

@@ -402,11 +402,12 @@ class BatchedSpeculativeEngine:
             gain = expected_tokens(option.acceptance, min(k, option.cap))
             if gain > best:
                 best, chosen = gain, option
-        if chosen is not None and not chosen.uses_draft_model:
-            row.drafts = row.drafts[:k]
+        if chosen is None:
+            row.drafts, row.method = [], None
+        elif chosen.uses_draft_model:
+            row.drafts, row.method, row.draft_length = [], DRAFT, min(k, chosen.cap)
         else:
-            row.drafts, row.method = [], chosen and DRAFT
-            row.draft_length = min(k, chosen.cap) if chosen else 0
+            row.drafts = row.drafts[:k]
 
     # ---- verification -----------------------------------------------------------------
 

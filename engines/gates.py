@@ -106,6 +106,12 @@ def running_average(old: float | None, value: float, weight: float) -> float:
     return value if old is None else old + weight * (value - old)
 
 
+def mean_then_running(old: float | None, value: float, weight: float, observations: int) -> float:
+    """An average after its n-th observation: a plain mean at first (no early value
+    outweighs the rest), then a running average with `weight`."""
+    return running_average(old, value, max(weight, 1.0 / observations))
+
+
 def monotone_fit(values: list[float]) -> list[float]:
     """The non-decreasing sequence closest to `values` in squared error (pool adjacent
     violators): one noisy size is averaged with its neighbours instead of lifting every
@@ -333,9 +339,8 @@ class MethodGate:
     def observe_outcome(self, seconds: float, tokens: int) -> None:
         """A verify of this method as served: its wall time and the tokens it committed."""
         self.outcomes += 1
-        weight = max(self.weight, 1.0 / self.outcomes)
-        self.outcome_tokens = running_average(self.outcome_tokens, float(tokens), weight)
-        self.outcome_seconds = running_average(self.outcome_seconds, seconds, weight)
+        self.outcome_tokens = self._learned(self.outcome_tokens, float(tokens), self.outcomes)
+        self.outcome_seconds = self._learned(self.outcome_seconds, seconds, self.outcomes)
 
     def measured_against(self, plain_rate: float | None) -> Measured | None:
         """This request's drafting with the method, as served, against plain steps'
@@ -347,10 +352,8 @@ class MethodGate:
             return None
         return Measured(self.outcome_tokens / self.outcome_seconds / plain_rate, {})
 
-    def _learned(self, rate: float, hit: float, observations: int) -> float:
-        """A rate after its n-th observation: a plain mean at first, then a running
-        average with `weight`."""
-        return running_average(rate, hit, max(self.weight, 1.0 / observations))
+    def _learned(self, rate: float | None, hit: float, observations: int) -> float:
+        return mean_then_running(rate, hit, self.weight, observations)
 
     def close(self) -> None:
         """Start closed (prompt gate): the first probe comes after a doubled back-off."""
@@ -516,9 +519,8 @@ class RealizedRates:
         self.steps[kind] = seen + 1
         if seen == 0:  # warm-up, like OnlineCosts
             return
-        weight = max(self.weight, 1.0 / seen)  # a plain mean at first, then running
         for average, value in ((self.seconds, seconds), (self.tokens, float(tokens))):
-            average[kind] = running_average(average.get(kind), value, weight)
+            average[kind] = mean_then_running(average.get(kind), value, self.weight, seen)
         self.since_plain = 0 if kind == PLAIN else self.since_plain + 1
 
     def observe_draft(

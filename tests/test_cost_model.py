@@ -210,14 +210,7 @@ def test_a_draft_the_startup_measurement_misjudged_still_drafts_and_stays_exact(
     target.verify_slowdown = 1.0
 
     prompt = tokenizer.encode("Once upon a time there was a little robot")
-    request = GenerationRequest(
-        "r",
-        tuple(prompt),
-        48,
-        SamplingParams(temperature=0.0),
-        ignore_eos=True,
-        speculation=SpeculationOverrides(enable_draft=True),
-    )
+    request = greedy_request(prompt, 48, SpeculationOverrides(enable_draft=True))
     seq = make_sequence(request, tokenizer)
     engine.add(seq)
     while engine.active is not None:
@@ -350,14 +343,7 @@ def test_the_engine_feeds_each_request_s_prompt_lookup_outcomes_to_its_gate(tiny
     engine = SpeculativeEngine(registry, SpecConfig())
     registry.transfer(engine.name)
     prompt = registry.tokenizer.encode("one two three four five six seven. " * 8)
-    request = GenerationRequest(
-        "r",
-        tuple(prompt),
-        48,
-        SamplingParams(temperature=0.0),
-        ignore_eos=True,
-        speculation=SpeculationOverrides(enable_pld=True),
-    )
+    request = greedy_request(prompt, 48, SpeculationOverrides(enable_pld=True))
     seq = make_sequence(request, registry.tokenizer)
     engine.add(seq)
     gate = engine.active.gates[PLD]
@@ -365,3 +351,14 @@ def test_the_engine_feeds_each_request_s_prompt_lookup_outcomes_to_its_gate(tiny
         engine.step()
     lookups = seq.spec.by_method["pld"].drafts if "pld" in seq.spec.by_method else 0
     assert lookups > 0 and gate.outcomes == lookups
+
+
+def greedy_request(prompt: list[int], max_tokens: int, speculation: SpeculationOverrides):
+    return GenerationRequest(
+        "r",
+        tuple(prompt),
+        max_tokens,
+        SamplingParams(temperature=0.0),
+        ignore_eos=True,
+        speculation=speculation,
+    )

@@ -136,6 +136,10 @@ class BatchedEngine:
             cached = len(seq.all_tokens) - 1
         return SequenceState(seq, cache, cached, self._gates.pop(request_id, None))
 
+    def settle(self) -> list[StepOutput]:
+        """Nothing to settle: a row leaves mlx-lm's generator with what it committed."""
+        return []
+
     def cancel(self, request_id: str) -> bool:
         uid = self._uids.pop(request_id, None)
         if uid is None:

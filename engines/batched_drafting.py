@@ -16,9 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from engines.drafters import DRAFT, PromptLookupDrafter, choose_draft_token, shared_prefix
-from engines.gates import MethodGate
+from engines.batch_costs import RowOption
+from engines.drafters import (
+    DRAFT,
+    DraftState,
+    PromptLookupDrafter,
+    choose_draft_token,
+    shared_prefix,
+)
+from engines.gates import MethodGate, expected_tokens
 from engines.ragged_cache import RaggedKVCache, feed_rows, set_row_length
 from engines.sequence import Sequence
 
@@ -40,6 +48,27 @@ class BatchRow:
     @property
     def tokens(self) -> list[int]:
         return self.seq.all_tokens
+
+
+def choose_row_method(row: BatchRow, options: list[RowOption], k: int, with_model: bool) -> None:
+    """At draft length k, the row drafts with its better method (PLD is free; the
+    draft model only when the step runs it), or not at all when k is 0."""
+    if k == 0:
+        row.drafts, row.method = [], None
+        return
+    best, chosen = 0.0, None
+    for option in options:
+        if option.uses_draft_model and not with_model:
+            continue
+        gain = expected_tokens(option.acceptance, min(k, option.cap))
+        if gain > best:
+            best, chosen = gain, option
+    if chosen is None:
+        row.drafts, row.method = [], None
+    elif chosen.uses_draft_model:
+        row.drafts, row.method, row.draft_length = [], DRAFT, min(k, chosen.cap)
+    else:
+        row.drafts = row.drafts[:k]
 
 
 def roll_back_draft(cache: list[RaggedKVCache], rows: list[BatchRow], index: int) -> None:
@@ -114,3 +143,24 @@ def _choose(rows, logits, drafting, proposals, probs) -> list[int]:
                 probs[i].append(q[0])
         proposals[i].append(chosen[i])
     return chosen
+
+
+def draft_row_cache(draft_model, row: BatchRow, draft: DraftState | None) -> list | None:
+    """The row's draft KV cache as per-layer KVCaches, rolled back to the prefix it
+    shares with the committed tokens (a migrated state may hold drafted ones)."""
+    if draft_model is None:
+        return None
+    if draft is None or draft.cache is None:
+        return make_prompt_cache(draft_model)
+    shared = shared_prefix(draft.fed, row.tokens)
+    cache = [_truncated(layer, shared) for layer in draft.cache]
+    row.draft_fed = draft.fed[:shared]
+    return cache
+
+
+def _truncated(layer: KVCache, length: int) -> KVCache:
+    cache = KVCache()
+    if length and layer.keys is not None:
+        cache.keys, cache.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+        cache.offset = length
+    return cache

@@ -2,11 +2,9 @@
 one target forward verifies them all, so speculation stays on when users arrive.
 
 Each step:
-  1. join: newcomers' prompts are prefilled in groups, one chunk per step, each
-     group in a ragged cache of its own (the running rows keep their cadence).
-     Short prompts share a group while rows x longest fits one chunk; long ones
-     prefill alone (no padding), the group with least left first; a row whose
-     prompt is in joins the batch;
+  1. join: newcomers' prompts are prefilled in groups (`prefill_groups`), one
+     chunk per step, each group in a ragged cache of its own (the running rows keep
+     their cadence); a row whose prompt is in joins the batch;
   2. plan: each row proposes from its own n-gram index (PLD); rows that draft with
      the draft model share one batched draft forward per drafted position, on a
      ragged draft cache aligned row for row with the target's. The step's draft
@@ -17,57 +15,44 @@ Each step:
      that row's sampling settings, processors and RNG (greedy: the argmax; seeded:
      the plain seeded sample at each position; otherwise Leviathan's rejection
      rule), then each row rolls back to exactly its committed tokens.
+     While K = 0 and no newcomer prefills, plain steps are queued one ahead
+     (`batched_pipeline`): the next forward runs while this one's tokens are
+     committed and published.
 
 Invariant after every step: target row i holds exactly `seq.all_tokens[:-1]` (the
-newest token is its next input), and draft row i holds exactly `row.draft_fed`.
-Both are checked after every verify. Requests move in and out with their caches
-(`insert` / `extract`), so migration never re-prefills.
+newest token is its next input) -- or, while a plain step is in flight, exactly
+`seq.all_tokens`, the in-flight token being sampled but not committed -- and draft
+row i holds exactly `row.draft_fed`. Both are checked after every step. Requests
+move in and out with their caches (`insert` / `extract`, after `settle` commits a
+step in flight), so migration never re-prefills.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs, pad_vocab
 from engines.batch_costs import BatchCosts, BatchPlan, RowOption, choose_draft_length
-from engines.batched_drafting import BatchRow, draft_with_model, roll_back_draft
-from engines.drafters import DRAFT, PLD, DraftState, PromptLookupDrafter, shared_prefix
-from engines.gates import expected_tokens
-from engines.logprobs import token_logprobs
+from engines.batched_drafting import (
+    BatchRow,
+    choose_row_method,
+    draft_row_cache,
+    draft_with_model,
+    roll_back_draft,
+)
+from engines.batched_pipeline import InFlight, pipelinable, queue_plain
+from engines.batched_verify import accept_rows, commit_row, process_rows
+from engines.drafters import DRAFT, PLD, DraftState, PromptLookupDrafter
+from engines.prefill_groups import PrefillGroup, next_group
 from engines.ragged_cache import RaggedKVCache, feed_chunk, feed_rows, ragged_from_rows
 from engines.registry import ModelRegistry
-from engines.sampling import coupled_tokens, filter_logprobs, sample_token
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Group:
-    """Newcomers prefilling together before they join the batch."""
-
-    rows: list[BatchRow]
-    cache: list[RaggedKVCache]
-    draft_cache: list[RaggedKVCache] | None
-    started: bool = False
-    passed_over: int = 0  # prefill chunks other groups ran while this one was oldest
-
-    @property
-    def pending(self) -> int:
-        """Prompt tokens its widest row still has to prefill (the group's forward width)."""
-        held = self.cache[0].lengths
-        return max(len(r.tokens) - 1 - n for r, n in zip(self.rows, held, strict=True))
-
-
-# A group of newcomers waits behind groups with less to prefill (shortest first, which
-# gives a burst its lowest median time to first token) at most this many chunks.
-MAX_PASSED_OVER = 8
 
 
 class BatchedSpeculativeEngine:
@@ -92,11 +77,15 @@ class BatchedSpeculativeEngine:
         self.rows: list[BatchRow] = []
         self.cache: list[RaggedKVCache] = []
         self.draft_cache: list[RaggedKVCache] | None = None
-        self.groups: list[_Group] = []
+        self.groups: list[PrefillGroup] = []
         self._prefilled_last = False  # the previous step was a prefill chunk
         self.released: list[SequenceState] = []  # finished sequences' caches, for reuse
         self.step_sizes: list[tuple[int, int]] = []  # (rows, drafted) per row this step
         self.forward_seconds = 0.0  # model time of the last step (the rest is overhead)
+        self.in_flight: InFlight | None = None  # a plain step queued ahead (`batched_pipeline`)
+        self.settled: list[StepOutput] = []  # outputs of a settle outside `step`, not yet returned
+        self._plain_ahead = False  # the plan after the newest commit was plain
+        self._pipelined_at: float | None = None  # when the last call that queued a step ended
 
     # ---- membership -----------------------------------------------------------------
 
@@ -126,48 +115,27 @@ class BatchedSpeculativeEngine:
         gates = state.gates if state.gates is not None else self.initial_gates(seq)
         pld = state.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
         row = BatchRow(seq, gates, pld)
-        draft_rows = self._draft_row_cache(row, state.draft)
+        draft_rows = draft_row_cache(self.draft_model, row, state.draft)
         ready = state.cached == len(seq.all_tokens) - 1
         if ready and seq.generated and not self.groups:
+            self.settled += self._settle_in_flight()  # rows join only a settled batch
             self._join([row], [list(state.cache)], draft_rows)
             return
         group = self._group_with_room(len(seq.all_tokens) - 1 - state.cached)
         cache = ragged_from_rows([list(state.cache)])
         draft = ragged_from_rows([draft_rows]) if draft_rows is not None else None
         if group is None:
-            self.groups.append(_Group([row], cache, draft))
+            self.groups.append(PrefillGroup([row], cache, draft))
             return
         group.rows.append(row)
         _extend([*group.cache, *(group.draft_cache or [])], [*cache, *(draft or [])])
 
     admit = insert
 
-    def _group_with_room(self, pending: int) -> _Group | None:
-        """The newest group not yet started, if a row with `pending` prompt tokens still
-        to prefill fits it: a group's forward pads every row to its longest, so rows
-        join only while rows x longest chunk stays within one prefill chunk. Short
-        prompts of a burst prefill together; long ones prefill alone, unpadded, one
-        after another, and each gets its first token as soon as its own prompt is in
-        (measured on Qwen2.5-Coder-0.5B, 7 prompts of 340-480 tokens: 98 tokens/s one
-        by one, 71 padded into one forward)."""
-        if not self.groups or self.groups[-1].started:
-            return None
-        group = self.groups[-1]
-        widest = max(pending, group.pending)
-        chunk = self.prefill_step_size
-        return group if (len(group.rows) + 1) * min(widest, chunk) <= chunk else None
-
-    def _draft_row_cache(self, row: BatchRow, draft: DraftState | None) -> list | None:
-        """The row's draft KV cache as per-layer KVCaches, rolled back to the prefix it
-        shares with the committed tokens (a migrated state may hold drafted ones)."""
-        if self.draft_model is None:
-            return None
-        if draft is None or draft.cache is None:
-            return make_prompt_cache(self.draft_model)
-        shared = shared_prefix(draft.fed, row.tokens)
-        cache = [_truncated(layer, shared) for layer in draft.cache]
-        row.draft_fed = draft.fed[:shared]
-        return cache
+    def _group_with_room(self, pending: int) -> PrefillGroup | None:
+        """The newest group, if a row with `pending` prompt tokens to prefill fits it."""
+        group = self.groups[-1] if self.groups else None
+        return group if group and group.has_room(pending, self.prefill_step_size) else None
 
     def _join(self, rows: list[BatchRow], caches: list[list], draft_rows: list | None) -> None:
         self._merge(rows, ragged_from_rows(caches), _ragged_or_none([draft_rows]))
@@ -197,6 +165,7 @@ class BatchedSpeculativeEngine:
                         draft = DraftState(draft_cache, list(row.draft_fed))
                     self._leave_group(group, i)
                     return SequenceState(row.seq, cache, cached, row.gates, row.pld, draft)
+        assert self.in_flight is None, "settle() the batch before a row leaves it"
         index = self._index(request_id)
         row = self.rows[index]
         cache = [layer.extract(index) for layer in self.cache]
@@ -222,7 +191,7 @@ class BatchedSpeculativeEngine:
                 return True
         return False
 
-    def _leave_group(self, group: _Group, index: int) -> None:
+    def _leave_group(self, group: PrefillGroup, index: int) -> None:
         _remove_rows(group.rows, group.cache, group.draft_cache, [index])
         if not group.rows:
             self.groups.remove(group)
@@ -231,24 +200,96 @@ class BatchedSpeculativeEngine:
         return next(i for i, row in enumerate(self.rows) if row.seq.request_id == request_id)
 
     def _drop(self, indices: list[int]) -> None:
+        if self.in_flight is not None:
+            keep = [i for i in range(len(self.rows)) if i not in set(indices)]
+            self.in_flight = self.in_flight.kept(keep) if keep else None
         _remove_rows(self.rows, self.cache, self.draft_cache, indices)
 
     # ---- the step ---------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        outputs, self.settled = self.settled, []
         self.forward_seconds = 0.0
         self.step_sizes = []
+        if self.in_flight is not None:
+            keep_going = self._plain_ahead and not self.groups and pipelinable(self.rows)
+            return outputs + self._commit_in_flight(queue_next=keep_going)
         if self.groups and not (self.rows and self._prefilled_last):
             # A prefill chunk is a step of its own, alternating with verifies while rows
             # decode (they wait for one chunk or one verify, never both); it returns the
             # first tokens of the prompts it completes.
             self._prefilled_last = True
-            return self._prefill_chunk()
+            return outputs + self._prefill_chunk()
         self._prefilled_last = False
         if not self.rows:
-            return []
+            return outputs
         started, rows = time.perf_counter(), len(self.rows)
         plan = self._plan()
+        if plan.k == 0 and not self.groups and pipelinable(self.rows):
+            return outputs + self._start_pipeline()
+        return outputs + self._drafting_step(plan, started, rows)
+
+    def settle(self) -> list[StepOutput]:
+        """Commit a plain step still in flight, so every row holds all its committed
+        tokens but the newest again (before a row leaves: a migration, a pause); returns
+        its outputs and any an earlier settle kept."""
+        outputs, self.settled = self.settled, []
+        return outputs + self._settle_in_flight()
+
+    def _settle_in_flight(self) -> list[StepOutput]:
+        return self._commit_in_flight(queue_next=False) if self.in_flight is not None else []
+
+    def _start_pipeline(self) -> list[StepOutput]:
+        """Queue this plain step, then hand over to `_commit_in_flight`, which queues
+        the next one before reading this one."""
+        started = time.perf_counter()
+        inputs = mx.array([row.tokens[-1] for row in self.rows])
+        self.in_flight = queue_plain(self.model, self.cache, self.rows, inputs, ahead=0)
+        self.forward_seconds += time.perf_counter() - started
+        return self._commit_in_flight(queue_next=True)
+
+    def _commit_in_flight(self, queue_next: bool) -> list[StepOutput]:
+        """Commit the plain step in flight; with `queue_next`, queue the next plain step
+        first (fed the lazy tokens), so committing, detokenizing and publishing overlap
+        its forward. Whether the step after that is plain again is planned from the
+        tokens just committed: a row that starts to copy its context drafts one step
+        later than it would unpipelined, never wrongly."""
+        started = time.perf_counter()
+        current, self.in_flight = self.in_flight, None
+        if queue_next:
+            inputs = current.tokens
+            self.in_flight = queue_plain(self.model, self.cache, self.rows, inputs, ahead=1)
+        tokens = current.tokens.tolist()
+        self.forward_seconds += time.perf_counter() - started
+        held = 0 if queue_next else 1  # tokens a row's cache lacks after the commit
+        outputs, finished = [], []
+        for i, (row, token) in enumerate(zip(self.rows, tokens, strict=True)):
+            for gate in row.gates.values():
+                gate.plain_token()
+            self.step_sizes.append((current.width, 0))
+            output = commit_row(row, [token], current.logprobs[i : i + 1])
+            if output.finish_reason is not None:
+                finished.append(i)
+            else:
+                assert self.cache[0].lengths[i] == len(row.tokens) - held, "row out of step"
+            outputs.append(output)
+        self._release(finished)
+        self._observe_plain_cadence(current.width, len(outputs), queue_next)
+        self._plain_ahead = queue_next and bool(self.rows) and self._plan().k == 0
+        return outputs
+
+    def _observe_plain_cadence(self, rows: int, committed: int, queued: bool) -> None:
+        """A plain step as served in the pipeline costs the time between two commits
+        (the host's work overlaps the forward): what a drafting step must beat."""
+        now = time.perf_counter()
+        if self._pipelined_at is not None:
+            seconds = now - self._pipelined_at
+            self.costs.observe_target(rows, seconds)
+            self.costs.observe_outcome(rows, self.costs.plain_plan(rows), committed, seconds)
+        self._pipelined_at = now if queued else None
+
+    def _drafting_step(self, plan: BatchPlan, started: float, rows: int) -> list[StepOutput]:
+        """A verify of the plan's drafts (or an unpipelined plain step), timed."""
         k = plan.k
         if plan.with_model:
             drafting = time.perf_counter()
@@ -269,23 +310,12 @@ class BatchedSpeculativeEngine:
         self.costs.observe_outcome(rows, plan, committed, time.perf_counter() - started)
         return outputs
 
-    def _next_group(self) -> _Group:
-        """The group with the least left to prefill, unless the oldest has been passed
-        over `MAX_PASSED_OVER` times: a stream of short prompts cannot starve a long one."""
-        oldest = self.groups[0]
-        if oldest.passed_over >= MAX_PASSED_OVER:
-            return oldest
-        group = min(self.groups, key=lambda g: g.pending)  # the oldest among equals
-        if group is not oldest:
-            oldest.passed_over += 1
-        return group
-
     def _prefill_chunk(self) -> list[StepOutput]:
         """One chunk of every prompt in a group (`_next_group`; target and draft caches).
         A row whose cache then holds all but its newest token gets its next token from
         one small forward of the group (not a verify of the whole batch, so time to
         first token is the prefill plus one token) and joins the batch."""
-        group = self._next_group()
+        group = next_group(self.groups)
         group.started = True
         started = time.perf_counter()
         feed_chunk(
@@ -304,7 +334,7 @@ class BatchedSpeculativeEngine:
         layers = [*group.cache, *(group.draft_cache or [])]
         mx.eval([layer.state for layer in layers if layer.keys is not None])
         self.forward_seconds += time.perf_counter() - started
-        ready = [i for i, row in enumerate(group.rows) if self._prefilled(group, i)]
+        ready = [i for i, row in enumerate(group.rows) if group.prefilled(i)]
         if not ready:
             return []
         outputs = self._first_tokens(group, ready)
@@ -324,7 +354,7 @@ class BatchedSpeculativeEngine:
         )
         return outputs
 
-    def _first_tokens(self, group: _Group, ready: list[int]) -> list[StepOutput]:
+    def _first_tokens(self, group: PrefillGroup, ready: list[int]) -> list[StepOutput]:
         """Feed the newest token of the `ready` rows of `group` and commit the token
         that follows it: afterwards each holds all but its newest token again."""
         started = time.perf_counter()
@@ -332,22 +362,15 @@ class BatchedSpeculativeEngine:
         logits = feed_rows(self.model, group.cache, fed)[mx.array(ready, dtype=mx.int32)]
         rows = [group.rows[i] for i in ready]
         fed_rows = [fed[i] for i in ready]
-        logprobs = self._process(rows, logits, fed_rows)
-        decisions = self._accept(rows, logprobs, fed_rows)
+        logprobs = process_rows(rows, logits, fed_rows)
+        decisions = accept_rows(rows, logprobs, fed_rows)
         self.forward_seconds += time.perf_counter() - started
         outputs = []
         for j, (row, (_, token)) in enumerate(zip(rows, decisions, strict=True)):
             for gate in row.gates.values():
                 gate.plain_token()
-            outputs.append(self._commit(row, [token], logprobs[j]))
+            outputs.append(commit_row(row, [token], logprobs[j]))
         return outputs
-
-    @staticmethod
-    def _prefilled(group: _Group, index: int) -> bool:
-        """Row `index` holds all but its newest token, in the target and draft caches."""
-        row = group.rows[index]
-        target = group.cache[0].lengths[index] == len(row.tokens) - 1
-        return target and (group.draft_cache is None or len(row.draft_fed) == len(row.tokens) - 1)
 
     # ---- planning -----------------------------------------------------------------------
 
@@ -375,7 +398,7 @@ class BatchedSpeculativeEngine:
             return self.costs.plain_plan(batch)
         plan = choose_draft_length(self.costs, options, k_max)
         for row, row_options in zip(self.rows, options, strict=True):
-            self._choose_method(row, row_options, plan.k, plan.with_model)
+            choose_row_method(row, row_options, plan.k, plan.with_model)
         if plan.with_model and not any(row.method == DRAFT for row in self.rows):
             plan = self.costs.plan(batch, plan.k, False, plan.tokens)
         return plan
@@ -388,27 +411,6 @@ class BatchedSpeculativeEngine:
         k = self.request_k(seq, method)
         return max(0, min(k, seq.request.max_tokens - len(seq.generated) - 1))
 
-    @staticmethod
-    def _choose_method(row: BatchRow, options: list[RowOption], k: int, with_model: bool) -> None:
-        """At draft length k, the row drafts with its better method (PLD is free; the
-        draft model only when the step runs it), or not at all when k is 0."""
-        if k == 0:
-            row.drafts, row.method = [], None
-            return
-        best, chosen = 0.0, None
-        for option in options:
-            if option.uses_draft_model and not with_model:
-                continue
-            gain = expected_tokens(option.acceptance, min(k, option.cap))
-            if gain > best:
-                best, chosen = gain, option
-        if chosen is None:
-            row.drafts, row.method = [], None
-        elif chosen.uses_draft_model:
-            row.drafts, row.method, row.draft_length = [], DRAFT, min(k, chosen.cap)
-        else:
-            row.drafts = row.drafts[:k]
-
     # ---- verification -----------------------------------------------------------------
 
     def _verify(self, k: int) -> list[StepOutput]:
@@ -418,8 +420,8 @@ class BatchedSpeculativeEngine:
         lengths = list(self.cache[0].lengths)
         inputs = mx.array([fed + [0] * (width - len(fed)) for fed in fed_rows])
         logits = self.model(inputs, cache=self.cache)
-        logprobs = self._process(self.rows, logits, fed_rows)
-        decisions = self._accept(self.rows, logprobs, fed_rows)
+        logprobs = process_rows(self.rows, logits, fed_rows)
+        decisions = accept_rows(self.rows, logprobs, fed_rows)
         self.costs.observe_target(len(self.rows) * width, time.perf_counter() - started)
         self.forward_seconds += time.perf_counter() - started
         kept = [
@@ -438,7 +440,7 @@ class BatchedSpeculativeEngine:
                 for gate in row.gates.values():
                     gate.plain_token()
             self.step_sizes.append((len(self.rows), drafted))
-            output = self._commit(row, [*fed[1 : 1 + accepted], next_token], logprobs[i])
+            output = commit_row(row, [*fed[1 : 1 + accepted], next_token], logprobs[i])
             if output.finish_reason is not None:
                 finished.append(i)
             else:
@@ -453,77 +455,6 @@ class BatchedSpeculativeEngine:
         self._release(finished)
         return outputs
 
-    @staticmethod
-    def _process(batch: list[BatchRow], logits: mx.array, fed_rows: list[list[int]]) -> mx.array:
-        """Log-probabilities per row and position, after that row's processors with
-        exactly the history a plain step would have seen."""
-        rows = []
-        for i, (row, fed) in enumerate(zip(batch, fed_rows, strict=True)):
-            row_logits = logits[i]
-            if row.seq.processors:
-                history = row.tokens[:-1]
-                positions = []
-                for j in range(row_logits.shape[0]):
-                    context = mx.array([*history, *fed[: j + 1]]) if j < len(fed) else None
-                    position = row_logits[j : j + 1]
-                    if context is not None:
-                        for processor in row.seq.processors:
-                            position = processor(context, position)
-                    positions.append(position)
-                row_logits = mx.concatenate(positions, axis=0)
-            rows.append(row_logits)
-        logits = mx.stack(rows) if any(r.seq.processors for r in batch) else logits
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-    def _accept(
-        self, batch: list[BatchRow], logprobs: mx.array, fed_rows: list[list[int]]
-    ) -> list[tuple[int, int]]:
-        """(accepted drafts, next token) per row: greedy rows from one batched argmax,
-        sampled rows by the rejection rule with their own settings and RNG."""
-        argmax = mx.argmax(logprobs, axis=-1)
-        coupled, pending = {}, {}
-        for i, (row, fed) in enumerate(zip(batch, fed_rows, strict=True)):
-            params, rng = row.seq.request.sampling, row.seq.rng
-            position = len(row.seq.generated)
-            if params.greedy:
-                continue
-            if rng.seeded:  # plain seeded samples per position, coupled with the drafts
-                coupled[i] = coupled_tokens(params, logprobs[i, : len(fed)], rng, position)
-                continue
-            drafts = fed[1:]
-            if not drafts:
-                pending[i] = (None, sample_token(params, logprobs[i, :1], rng, position))
-                continue
-            pending[i] = self._accept_sampled_row(row, logprobs[i, : len(fed)], drafts)
-        lazy = [x for pair in pending.values() for x in pair if x is not None]
-        mx.eval(argmax, *coupled.values(), *lazy)
-        targets = argmax.tolist()
-        for i, tokens in coupled.items():
-            targets[i] = tokens.tolist()
-        decisions = []
-        for i, fed in enumerate(fed_rows):
-            if i in pending:
-                accepted, token = pending[i]
-                decisions.append(
-                    (0 if accepted is None else int(accepted.item()), int(token.item()))
-                )
-            else:
-                accepted = accept_greedy(targets[i], fed[1:])
-                decisions.append((accepted, targets[i][accepted]))
-        return decisions
-
-    def _accept_sampled_row(self, row: BatchRow, logprobs: mx.array, drafts: list[int]):
-        params = row.seq.request.sampling
-        scaled = filter_logprobs(params, logprobs.astype(mx.float32)) * (1.0 / params.temperature)
-        p = mx.softmax(scaled, axis=-1)
-        tokens = mx.array(drafts)
-        if row.probs is None:
-            q = one_hot_probs(tokens, p.shape[-1])
-        else:
-            q = pad_vocab(row.probs, p.shape[-1])
-        accepted, token = accept_sampled(p[None], q[None], tokens[None], key=row.seq.rng.next_key())
-        return accepted[0], token[0]
-
     def _record(self, row: BatchRow, drafted: int, accepted: int) -> None:
         row.seq.spec.record(row.method, drafted, accepted)
         gate = row.gates[row.method]
@@ -531,26 +462,6 @@ class BatchedSpeculativeEngine:
         match = row.match if row.method == PLD else 0
         if gate.record(drafted, accepted, k_max, self.costs.prior, match=match):
             row.seq.spec.trip("runtime")
-
-    def _commit(self, row: BatchRow, committed: list[int], logprobs: mx.array) -> StepOutput:
-        seq = row.seq
-        text = []
-        try:
-            for token in committed:
-                text.append(seq.commit(token))
-                if seq.finished:
-                    break
-        except Exception as exc:  # noqa: BLE001 - fail this sequence, keep the batch
-            log.exception("request %s failed in the batched engine", seq.request_id)
-            seq.finish_reason = FinishReason.ERROR
-            return StepOutput(seq.request_id, [], "", FinishReason.ERROR, error=str(exc))
-        tokens = committed[: len(text)]
-        output = StepOutput(
-            seq.request_id, tokens, "".join(text), seq.finish_reason, seq.matched_stop
-        )
-        if seq.request.logprobs is not None:
-            output.logprobs = token_logprobs(logprobs[: len(tokens)], tokens, seq.request.logprobs)
-        return output
 
     def _release(self, finished: list[int]) -> None:
         """Finished rows leave; each leaves its cache trimmed to the committed tokens
@@ -573,6 +484,7 @@ class BatchedSpeculativeEngine:
 
     def close(self) -> None:
         self.rows, self.cache, self.draft_cache, self.groups = [], [], None, []
+        self.in_flight, self.settled = None, []
 
 
 def _extend(layers: list[RaggedKVCache], extra: list[RaggedKVCache]) -> None:
@@ -591,11 +503,3 @@ def _remove_rows(rows: list, cache: list[RaggedKVCache], draft, indices: list[in
 
 def _ragged_or_none(rows: list) -> list[RaggedKVCache] | None:
     return None if rows[0] is None else ragged_from_rows(rows)
-
-
-def _truncated(layer: KVCache, length: int) -> KVCache:
-    cache = KVCache()
-    if length and layer.keys is not None:
-        cache.keys, cache.values = layer.keys[..., :length, :], layer.values[..., :length, :]
-        cache.offset = length
-    return cache

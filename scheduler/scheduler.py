@@ -464,10 +464,11 @@ class Scheduler:
         request_id = tracked.request.request_id
         if self._mode == Mode.SPECULATIVE:
             state, outputs = engine.export()
-            for output in outputs:
-                self._publish(output)
-        else:
-            state = engine.extract(request_id)
+        else:  # a plain step in flight is committed first (`settle`)
+            outputs = engine.settle()
+            state = engine.extract(request_id) if request_id in engine.active_ids else None
+        for output in outputs:
+            self._publish(output)
         if self._running.pop(request_id, None) is None:
             return  # its last token, committed on the way out, finished it
         tracked.parked, tracked.paused_at = state, now
@@ -657,6 +658,8 @@ class Scheduler:
                     migrated = 1
             self.registry.transfer(BatchedEngine.name)
         else:
+            for output in self._batched.settle() if self._batched else []:
+                self._publish(output)  # a plain step in flight commits before rows leave
             remaining = self._batched.active_ids if self._batched else []
             assert len(remaining) <= 1, "only a single request migrates back"
             self.registry.transfer(SpeculativeEngine.name)

@@ -292,6 +292,7 @@ def test_migration_in_and_out_of_the_batch_keeps_draft_state_and_output(perturbe
     engine.add(other_seq)
     while len(seq.generated) < 55:
         engine.step()
+    engine.settle()
     back = engine.extract("m")
     assert back.cached == len(seq.all_tokens) - 1
     assert back.draft.fed == seq.all_tokens[: len(back.draft.fed)]
@@ -403,6 +404,7 @@ def test_state_handed_back_holds_exactly_the_committed_tokens(perturbed, referen
     engine.add(make_sequence(greedy_request("y", prompt, 40), reference.tokenizer))
     for _ in range(6):
         engine.step()
+    engine.settle()
     state = engine.extract("x")
     assert all(layer.offset == state.cached for layer in state.cache)
     assert state.cached == len(seq.all_tokens) - 1

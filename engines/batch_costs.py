@@ -34,7 +34,13 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from engines.gates import MIN_SPEEDUP, Acceptance, CostModel, expected_tokens, running_average
+from engines.gates import (
+    MIN_SPEEDUP,
+    Acceptance,
+    CostModel,
+    expected_tokens,
+    mean_then_running,
+)
 
 PLAIN, LOOKUP, MODEL = "plain", "lookup", "model"  # kinds of batched step
 
@@ -85,10 +91,12 @@ class _Outcome:
     steps: int = 0
 
     def add(self, values: tuple[float, float, float, float], weight: float) -> None:
+        """A plain mean at first (the first step must not outweigh the next ten), then
+        a running average."""
         self.steps += 1
         old = self.averages or (None,) * 4
         self.averages = tuple(
-            running_average(o, v, weight) for o, v in zip(old, values, strict=True)
+            mean_then_running(o, v, weight, self.steps) for o, v in zip(old, values, strict=True)
         )
 
     @property
@@ -121,6 +129,10 @@ class BatchCosts:
     prior: CostModel
     learn: bool = True
     min_samples: int = 3
+    # Drafting steps commit from 1 to 1 + K tokens per row: a kind of drafting is judged
+    # by its outcomes only after this many (three unlucky ones once closed drafting at
+    # 2 rows for the rest of a run, as it did for the single-stream gates).
+    min_drafting_samples: int = 12
     explore_every: int = 8
     outcome_weight: float = 0.1
     plain_every: int = 48
@@ -178,18 +190,25 @@ class BatchCosts:
 
     def calibration(self, rows: int, kind: str) -> float:
         """Measured rate over predicted rate of `kind` steps at `rows` rows (1 until
-        measured `min_samples` times)."""
-        outcome = self.outcomes.get((rows, kind))
-        return outcome.factor if outcome and outcome.steps >= self.min_samples else 1.0
+        measured enough, `_measured`)."""
+        outcome = self._measured(rows, kind)
+        return outcome.factor if outcome else 1.0
 
     def realized_rate(self, rows: int, kind: str) -> float | None:
         """Tokens per second `kind` steps at `rows` rows really committed (None until
-        measured `min_samples` times)."""
-        outcome = self.outcomes.get((rows, kind))
-        if outcome is None or outcome.steps < self.min_samples:
+        measured enough, `_measured`)."""
+        outcome = self._measured(rows, kind)
+        if outcome is None:
             return None
         tokens, seconds, _, _ = outcome.averages
         return tokens / seconds
+
+    def _measured(self, rows: int, kind: str) -> _Outcome | None:
+        """The outcomes of `kind` at `rows` rows once there are `min_samples` plain steps
+        or `min_drafting_samples` drafting ones."""
+        outcome = self.outcomes.get((rows, kind))
+        enough = self.min_samples if kind == PLAIN else self.min_drafting_samples
+        return outcome if outcome is not None and outcome.steps >= enough else None
 
     def outcome_vetoes(self, rows: int, kind: str) -> bool:
         """Whether `kind` steps at `rows` rows have really committed fewer tokens per

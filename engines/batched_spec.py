@@ -246,6 +246,7 @@ class BatchedSpeculativeEngine:
         inputs = mx.array([row.tokens[-1] for row in self.rows])
         self.in_flight = queue_plain(self.model, self.cache, self.rows, inputs, ahead=0)
         self.forward_seconds += time.perf_counter() - started
+        self._pipelined_at = None  # two steps queued at once: the first is no cadence
         return self._commit_in_flight(queue_next=True)
 
     def _commit_in_flight(self, queue_next: bool) -> list[StepOutput]:

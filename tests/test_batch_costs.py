@@ -89,7 +89,7 @@ def test_drafting_that_measurably_commits_less_per_second_than_plain_stops():
     serve_plain(costs, 4, costs.min_samples)
     drafting = choose_draft_length(costs, options, 4)
     assert drafting.k == 4 and drafting.rate > 1.5 * 4 / 0.040
-    for _ in range(8):  # as served: no more tokens than a plain step, in more time
+    for _ in range(costs.min_drafting_samples):  # as served: a plain step's tokens, slower
         costs.observe_outcome(4, drafting, 4, drafting.cost)
     assert costs.calibration(4, "lookup") < 0.6
     assert choice(costs, options, 4) == (0, False)
@@ -109,7 +109,7 @@ def test_drafting_that_really_commits_less_per_second_than_plain_sits_out_but_fo
     measured_forwards(costs, 4)
     serve_plain(costs, 4, costs.min_samples)  # 4 tokens per 0.040 s: 100 tokens/s
     modest = costs.plan(4, 4, False, 8.0)  # predicted 160 tokens/s
-    for _ in range(costs.min_samples):
+    for _ in range(costs.min_drafting_samples):
         costs.observe_outcome(4, modest, 5, 0.055)  # served: 91 tokens/s
     assert costs.calibration(4, "lookup") == pytest.approx((5 / 0.055) / 160)
     assert costs.realized_rate(4, "lookup") < costs.realized_rate(4, "plain")
@@ -131,6 +131,27 @@ def test_drafting_that_really_commits_less_per_second_than_plain_sits_out_but_fo
     costs.observe_outcome(4, probe, 20, 0.050)  # the rows now copy: 400 tokens/s
     assert costs.realized_rate(4, "lookup") > costs.realized_rate(4, "plain")
     assert choice(costs, confident, 4) == (4, False)
+
+
+def test_a_few_unlucky_drafting_steps_make_no_verdict_and_the_first_weighs_no_more():
+    """Drafting steps commit anywhere from 1 to 1 + K tokens per row: three bad ones
+    neither calibrate nor veto drafting at that batch size, and once judged, the
+    average is a plain mean at first (the first step does not outweigh the rest)."""
+    costs = BatchCosts(FLAT, explore_every=1000)
+    options = rows(4, 0.9, model=False)
+    measured_forwards(costs, 4)
+    serve_plain(costs, 4, costs.min_samples)
+    drafting = choose_draft_length(costs, options, 4)
+    for _ in range(3):  # unlucky: a plain step's tokens in a verify's time
+        costs.observe_outcome(4, drafting, 4, 0.050)
+    assert costs.realized_rate(4, "lookup") is None
+    assert costs.calibration(4, "lookup") == 1.0
+    assert choice(costs, options, 4) == (4, False), "still drafting"
+    for _ in range(costs.min_drafting_samples - 3):  # then as predicted: 10 tokens
+        costs.observe_outcome(4, drafting, 10, 0.050)
+    mean = (3 * 4 + (costs.min_drafting_samples - 3) * 10) / costs.min_drafting_samples
+    assert costs.realized_rate(4, "lookup") == pytest.approx(mean / 0.050, rel=0.01)
+    assert choice(costs, options, 4) == (4, False)
 
 
 def test_drafting_that_pays_as_predicted_keeps_running_with_a_plain_step_now_and_then():

@@ -281,9 +281,12 @@ class BatchedSpeculativeEngine:
 
     def _observe_plain_cadence(self, rows: int, committed: int, queued: bool) -> None:
         """A plain step as served in the pipeline costs the time between two commits
-        (the host's work overlaps the forward): what a drafting step must beat."""
+        (the host's work overlaps the forward): what a drafting step must beat. Only
+        steady calls count, each of which queued a step: where `async_eval` runs most
+        of a forward before returning (MLX on a CPU), the call that starts a pipeline
+        pays for two steps and the one that ends it for almost none."""
         now = time.perf_counter()
-        if self._pipelined_at is not None:
+        if self._pipelined_at is not None and queued:
             seconds = now - self._pipelined_at
             self.costs.observe_target(rows, seconds)
             self.costs.observe_outcome(rows, self.costs.plain_plan(rows), committed, seconds)

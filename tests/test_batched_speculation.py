@@ -556,3 +556,34 @@ def test_a_draft_model_row_drafts_no_further_than_its_max_tokens(self_draft, ref
     stats = seqs["short"].spec.by_method["draft"]
     assert stats.drafts > 0 and stats.draft_tokens <= stats.drafts, seqs["short"].spec.as_dict()
     assert stats.accepted_tokens <= 1
+
+
+def test_greedy_draft_rows_chain_lazily_to_the_same_drafts_as_step_by_step(
+    perturbed, reference, monkeypatch
+):
+    """Greedy draft-model rows draft as one lazy chain read once per proposal; it
+    proposes exactly what reading each drafted position does (same drafts accepted at
+    the same positions, rows of different draft lengths), and output stays exact."""
+    _, engine = perturbed
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:3]]
+
+    def requests():
+        return [
+            greedy_request(
+                f"r{i}",
+                p,
+                36,
+                speculation=SpeculationOverrides(num_draft_tokens=2 + i, enable_pld=False),
+            )
+            for i, p in enumerate(prompts)
+        ]
+
+    chained, _, drafted = run_batch(engine, requests())
+    monkeypatch.setattr("engines.batched_drafting._greedy", lambda row: False)
+    stepwise, _, _ = run_batch(engine, requests())
+    assert drafted > 0
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        assert chained[rid].generated == stepwise[rid].generated == reference.greedy_tokens(p, 36)
+        assert chained[rid].spec.as_dict() == stepwise[rid].spec.as_dict()
+        assert chained[rid].spec.by_method["draft"].draft_tokens > 0

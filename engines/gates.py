@@ -183,10 +183,12 @@ def best_draft_length(
     cost: CostModel,
     method: str,
     calibration: Calibration = None,
+    floor: float = MIN_SPEEDUP,
 ) -> int:
-    """The k in 1..k_max with the best tokens-per-cost, or 0 if none beats plain;
-    `calibration(k)` corrects each prediction by how far it was off when served."""
-    best_k, best = 0, MIN_SPEEDUP
+    """The k in 1..k_max with the best tokens-per-cost, or 0 if none beats plain by
+    `floor`; `calibration(k)` corrects each prediction by how far it was off when
+    served."""
+    best_k, best = 0, floor
     for k in range(1, k_max + 1):
         gain = speedup(acceptance, k, cost, method) * (calibration(k) if calibration else 1.0)
         if gain > best:
@@ -259,7 +261,12 @@ class MethodGate:
         return expected_tokens(self.acceptance(), k)
 
     def draft_length(
-        self, k_max: int, cost: CostModel, measured: Measured | None = None, match: int = 0
+        self,
+        k_max: int,
+        cost: CostModel,
+        measured: Measured | None = None,
+        match: int = 0,
+        trusted: bool = False,
     ) -> int:
         """How many tokens to draft this step (0 = do not draft with this method). An open
         gate that finds no k worth drafting for any match length closes, so the steps
@@ -267,40 +274,47 @@ class MethodGate:
         would cost every step its pipelining and gather no evidence. (One weak match
         that does not pay is skipped without closing.)"""
         if self.open:
-            k = self.open_length(k_max, cost, measured, match)
-            if k == 0 and not self._pays(k_max, cost, measured):
+            k = self.open_length(k_max, cost, measured, match, trusted)
+            if k == 0 and not self._pays(k_max, cost, measured, trusted):
                 self.open, self.cooldown = False, self.backoff
             return k
         return min(self.probe_k, k_max) if self.cooldown <= 0 else 0
 
-    def _pays(self, k_max: int, cost: CostModel, measured: Measured | None) -> bool:
+    def _pays(
+        self, k_max: int, cost: CostModel, measured: Measured | None, trusted: bool = False
+    ) -> bool:
         """Some draft length pays, pooled or for a match length seen."""
         return any(
-            self.open_length(k_max, cost, measured, match) > 0
+            self.open_length(k_max, cost, measured, match, trusted) > 0
             for match in (0, *self.first_by_match)
         )
 
     def open_length(
-        self, k_max: int, cost: CostModel, measured: Measured | None, match: int = 0
+        self,
+        k_max: int,
+        cost: CostModel,
+        measured: Measured | None,
+        match: int = 0,
+        trusted: bool = False,
     ) -> int:
         """The predicted best k, unless what was measured says otherwise (`measured`:
         drafting with this method against plain steps as served, None until both were
         seen). Each k's prediction is corrected by how far it was off when served (the
         cost model misses per-step overheads; real acceptance comes in runs, not
-        independently per position), a prediction that measurement contradicts is not
-        trusted, and a draft model accepted at least half the time drafts until
-        measured slower."""
+        independently per position), and a prediction that measurement contradicts is
+        not trusted. A draft model accepted at least half the time -- over the server's
+        life (`trusted`) or in this request -- drafts its best predicted k, even one
+        predicted to gain nothing, until drafting is measured slower: a few rejections
+        in a row (common at 50-60% acceptance) say little about the next tokens, and a
+        gate that closed on them lost 10-20% against mlx-lm's fixed k."""
         calibration = measured.calibration if measured else None
         acceptance = self.acceptance(match)
-        predicted = best_draft_length(acceptance, k_max, cost, self.method, calibration)
-        if measured is None:
-            if predicted == 0 and self.method == DRAFT and acceptance[0] >= TRUSTED_ACCEPTANCE:
-                return min(self.probe_k, k_max)
-            return predicted
-        if measured.speedup < MEASURED_SLOWER:
+        if measured is not None and measured.speedup < MEASURED_SLOWER:
             return 0
-        if predicted == 0 and measured.speedup >= MIN_SPEEDUP:
-            return min(max(self.probe_k, self.last_k), k_max)
+        predicted = best_draft_length(acceptance, k_max, cost, self.method, calibration)
+        trusted = self.method == DRAFT and (trusted or acceptance[0] >= TRUSTED_ACCEPTANCE)
+        if predicted == 0 and (trusted or (measured and measured.speedup >= MIN_SPEEDUP)):
+            return best_draft_length(acceptance, k_max, cost, self.method, calibration, 0.0)
         return predicted
 
     def record(
@@ -311,6 +325,7 @@ class MethodGate:
         cost: CostModel,
         measured: Measured | None = None,
         match: int = 0,
+        trusted: bool = False,
     ) -> bool:
         """Update after a verify (`match`: the prompt lookup match length that proposed
         it); returns True if this closed the gate (a trip)."""
@@ -327,7 +342,7 @@ class MethodGate:
                 self.reached.append(0)
             self.reached[i] += 1
             self.rates[i] = self._learned(self.rates[i], hit, self.reached[i])
-        pays = self._pays(k_max, cost, measured)
+        pays = self._pays(k_max, cost, measured, trusted)
         was_open, self.open = self.open, pays
         if pays:
             self.backoff = self.min_backoff

@@ -34,6 +34,7 @@ from engines.drafters import (
 )
 from engines.gates import (
     PLAIN,
+    TRUSTED_ACCEPTANCE,
     CostModel,
     Measured,
     MethodGate,
@@ -51,8 +52,7 @@ from engines.telemetry import SpecStats
 
 log = logging.getLogger(__name__)
 
-REALIZED_CATCH_UP = 32  # a draft catch-up longer than this is a prompt (or a return
-# from batching), a once-per-request cost left out of what drafting steps give
+TRUSTED_SAMPLE = 64  # drafted tokens before the draft model's acceptance is trusted
 
 
 @dataclass(frozen=True)
@@ -265,13 +265,15 @@ class SpeculativeEngine:
                 committed = sum(len(o.token_ids) for o in outputs)
                 if draft.method == PLD and PLD in active.gates:
                     active.gates[PLD].observe_outcome(finished - started, committed)
-                # What drafting gave includes catching the draft up on tokens committed
-                # by other steps (a prompt lookup run, a probe after plain steps): only
-                # a prompt's worth is left out. Excluding every catch-up left a gate
-                # closed by a few unlucky drafts with no evidence to reopen it.
-                if self.realized and draft.method == DRAFT and caught_up <= REALIZED_CATCH_UP:
+                # Every drafting step counts in what drafting gives, less the time it took
+                # to catch the draft model up on tokens it had not seen (a prompt, a run
+                # of plain steps): a once-per-switch cost, not what drafting steps cost.
+                # Steps after a long catch-up left out entirely, a closed gate's probes
+                # never counted, and a verdict of "slower" could never be revised.
+                if self.realized and draft.method == DRAFT:
+                    seconds = finished - started - active.draft.catch_up_seconds
                     self.realized.observe_draft(
-                        DRAFT, len(draft.tokens), finished - started, committed, active.predicted
+                        DRAFT, len(draft.tokens), seconds, committed, active.predicted
                     )
                 return outputs
             active.in_flight, active.in_flight_logprobs = self._forward_and_sample(
@@ -364,7 +366,8 @@ class SpeculativeEngine:
             active.forced_plain = 4  # an A/B probe: plain steps to compare drafting with
             return None
         pld_draft = self._propose_pld(active, pld_k_max) if PLD in active.gates else None
-        k = gate.draft_length(k_max, self.cost, self._measured(DRAFT)) if gate is not None else 0
+        measured, trusted = self._measured(DRAFT), self._trusted_draft()
+        k = gate.draft_length(k_max, self.cost, measured, trusted=trusted) if gate else 0
         if k == 0 or (pld_draft is not None and self._prefer_pld(active, pld_draft, k)):
             return pld_draft
         if self.realized is not None and gate.open:
@@ -379,6 +382,15 @@ class SpeculativeEngine:
             active.processors,
             position=len(seq.generated),
         )
+
+    def _trusted_draft(self) -> bool:
+        """The draft model has had at least half of its tokens accepted over the
+        server's life (once it drafted `TRUSTED_SAMPLE` of them): it drafts until
+        drafting is measured slower, whatever a request's latest rejections say."""
+        stats = self.totals.by_method.get(DRAFT)
+        if stats is None or stats.draft_tokens < TRUSTED_SAMPLE:
+            return False
+        return stats.accepted_tokens >= TRUSTED_ACCEPTANCE * stats.draft_tokens
 
     def _prefer_pld(self, active: _Active, pld_draft: Draft, draft_k: int) -> bool:
         """With both drafters ready, draft with the one expected to pay more this step:
@@ -480,7 +492,8 @@ class SpeculativeEngine:
         gate = active.gates[draft.method]
         measured = self._measured(draft.method, active)
         k_max = self.request_k(active.seq, draft.method)
-        if gate.record(k, accepted, k_max, self.cost, measured, draft.match_length):
+        trusted = draft.method == DRAFT and self._trusted_draft()
+        if gate.record(k, accepted, k_max, self.cost, measured, draft.match_length, trusted):
             active.seq.spec.trip("runtime")
             self.totals.trip("runtime")
 

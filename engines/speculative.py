@@ -52,7 +52,7 @@ from engines.telemetry import SpecStats
 
 log = logging.getLogger(__name__)
 
-TRUSTED_SAMPLE = 64  # drafted tokens before the draft model's acceptance is trusted
+TRUSTED_SAMPLE = 32  # drafts before the draft model's acceptance is trusted
 
 
 @dataclass(frozen=True)
@@ -384,13 +384,13 @@ class SpeculativeEngine:
         )
 
     def _trusted_draft(self) -> bool:
-        """The draft model has had at least half of its tokens accepted over the
-        server's life (once it drafted `TRUSTED_SAMPLE` of them): it drafts until
+        """The draft model's first token was accepted in at least half of its drafts
+        over the server's life (once it drafted `TRUSTED_SAMPLE` times): it drafts until
         drafting is measured slower, whatever a request's latest rejections say."""
         stats = self.totals.by_method.get(DRAFT)
-        if stats is None or stats.draft_tokens < TRUSTED_SAMPLE:
+        if stats is None or stats.drafts < TRUSTED_SAMPLE:
             return False
-        return stats.accepted_tokens >= TRUSTED_ACCEPTANCE * stats.draft_tokens
+        return stats.first_accepted >= TRUSTED_ACCEPTANCE * stats.drafts
 
     def _prefer_pld(self, active: _Active, pld_draft: Draft, draft_k: int) -> bool:
         """With both drafters ready, draft with the one expected to pay more this step:

@@ -11,6 +11,7 @@ class MethodStats:
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    first_accepted: int = 0  # drafts whose first token was accepted
 
 
 @dataclass
@@ -26,6 +27,7 @@ class SpecStats:
         stats.drafts += 1
         stats.draft_tokens += drafted
         stats.accepted_tokens += accepted
+        stats.first_accepted += accepted > 0
         if len(self.accepted_per_position) < drafted:
             self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
         for position in range(accepted):
@@ -52,6 +54,7 @@ class SpecStats:
             mine.drafts += stats.drafts
             mine.draft_tokens += stats.draft_tokens
             mine.accepted_tokens += stats.accepted_tokens
+            mine.first_accepted += stats.first_accepted
         for position, count in enumerate(other.accepted_per_position):
             if position >= len(self.accepted_per_position):
                 self.accepted_per_position.append(0)

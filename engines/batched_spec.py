@@ -225,7 +225,8 @@ class BatchedSpeculativeEngine:
             return outputs
         started, rows = time.perf_counter(), len(self.rows)
         plan = self._plan()
-        if plan.k == 0 and not self.groups and pipelinable(self.rows):
+        probe = self.costs.plain_probe_due(rows)  # a plain step to measure, not a run
+        if plan.k == 0 and not probe and not self.groups and pipelinable(self.rows):
             return outputs + self._start_pipeline()
         return outputs + self._drafting_step(plan, started, rows)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from engines.batch_costs import BatchCosts
 from engines.batched_spec import BatchedSpeculativeEngine
 from engines.gates import CostModel
 from engines.registry import ModelRegistry
@@ -266,3 +267,27 @@ def test_a_batch_alternates_pipelined_plain_steps_and_lookup_verifies_exactly(
         assert seqs[request.request_id].generated == expected == published[request.request_id]
     assert pipelined > 0
     assert sum(seq.spec.draft_tokens for seq in seqs.values()) > 0
+
+
+def test_a_plain_probe_among_drafting_steps_is_one_step_not_a_pipeline(tiny_model_dir, reference):
+    """Where drafting pays (the target as its own draft), plain steps run only as probes
+    that measure plain batching: each is one step, so a probe never grows into a run of
+    plain steps queued ahead (which cost a good draft several steps per probe)."""
+    registry = ModelRegistry.load(str(tiny_model_dir), str(tiny_model_dir))
+    spec = SpeculativeEngine(registry, SpecConfig(enable_pld=False), cost=COST)
+    costs = BatchCosts(COST, learn=True, plain_every=8)
+    engine = BatchedSpeculativeEngine(registry, spec, prefill_step_size=64, costs=costs)
+    registry.transfer(engine.name)
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:2]]
+    requests = [greedy_request(f"r{i}", p, 60) for i, p in enumerate(prompts)]
+    plain_steps = 0
+
+    def watch(step, seqs):
+        nonlocal plain_steps
+        plain_steps += bool(engine.step_sizes) and all(d == 0 for _, d in engine.step_sizes)
+
+    seqs, _, pipelined = drive(engine, requests, watch)
+    for i, p in enumerate(prompts):
+        assert seqs[f"r{i}"].generated == reference.greedy_tokens(p, 60)
+    assert plain_steps >= 3, "plain steps were measured"
+    assert pipelined == 0

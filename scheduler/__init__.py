@@ -1,7 +1,8 @@
 """The async scheduler: admission, the engine thread, request streams."""
 
 from scheduler.config import SchedulerConfig
-from scheduler.scheduler import ModelInfo, Scheduler, SchedulerState
+from scheduler.loading import ModelInfo
+from scheduler.scheduler import Scheduler, SchedulerState
 from scheduler.stream import RequestStream, TokenEvent
 
 __all__ = [

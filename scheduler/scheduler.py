@@ -17,40 +17,32 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from engines.batched import BatchedEngine
 from engines.batched_spec import BatchedSpeculativeEngine
-from engines.constraints import GrammarCompiler
 from engines.errors import ContextTooLong, InvalidRequest, QueueFull, ServerNotReady
-from engines.gates import CostModel
 from engines.prefix_cache import PrefixCache
 from engines.prompt_scoring import PromptScorer
-from engines.ragged_cache import warm_up
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest
-from engines.rollback import supports_rollback
-from engines.sequence import FinishReason, Sequence, StepOutput, make_sequence
+from engines.sequence import FinishReason, StepOutput, make_sequence
 from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
-from engines.telemetry import SpecStats
 from scheduler.admission import Backpressure, FairQueue, KeyCounts
 from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
-from scheduler.observer import NullObserver, RequestRecord, SchedulerObserver, log_request
+from scheduler.loading import ModelInfo, load_model
+from scheduler.observer import NullObserver, SchedulerObserver, log_request
 from scheduler.policy import Mode, ModePolicy
 from scheduler.scoring import ScoringQueue, scoring_budget
 from scheduler.stream import RequestStream, TokenEvent
 from scheduler.throughput import ThroughputModel, serial_wait_fits
+from scheduler.tracking import Command, TrackedRequest, final_event, key_of, token_event
 
 log = logging.getLogger(__name__)
-
-# A model that cannot speculate never measures verify costs.
-_NO_SPECULATION = CostModel.assumed(1)
 
 
 class SchedulerState(str, enum.Enum):
@@ -58,54 +50,6 @@ class SchedulerState(str, enum.Enum):
     READY = "ready"
     FAILED = "failed"
     STOPPED = "stopped"
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the server needs to know about the loaded model (no MLX arrays)."""
-
-    path: str
-    tokenizer: Any
-    context_length: int | None
-    has_draft: bool
-    grammar: GrammarCompiler  # JSON schemas -> constraints for this tokenizer
-
-
-@dataclass
-class _Tracked:
-    """Scheduler bookkeeping for one request, owned by the engine thread."""
-
-    request: GenerationRequest
-    stream: RequestStream
-    loop: asyncio.AbstractEventLoop
-    arrived: float
-    seq: Sequence | None = None
-    admitted: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    modes: list[str] = field(default_factory=list)
-    prompt_logprobs: list | None = None  # scored prompt, until the first event carries it
-    delivered: int = 0  # events handed to the stream
-    paused_at: float | None = None  # out of the engine: its client stopped reading
-    parked: SequenceState | None = None  # the paused sequence, KV cache and all
-
-    @property
-    def unread(self) -> int:
-        return self.delivered - self.stream.consumed
-
-
-def _key_of(tracked: _Tracked) -> str:
-    return tracked.request.cache_scope
-
-
-@dataclass
-class _Command:
-    kind: str  # "submit" | "cancel" | "abort_all"
-    request_id: str = ""
-    tracked: _Tracked | None = None
-    reason: str = ""
 
 
 class Scheduler:
@@ -116,7 +60,7 @@ class Scheduler:
         self.error: str | None = None
         self.model_info: ModelInfo | None = None
         self.registry: ModelRegistry | None = None
-        self._inbox: deque[_Command] = deque()
+        self._inbox: deque[Command] = deque()
         self._wakeup = threading.Condition()
         self._stopping = False
         self.draining = False  # shutting down: finish what runs, accept nothing new
@@ -124,10 +68,10 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._outstanding = 0  # submitted and not yet finished; touched on the loop only
         # Engine-thread state:
-        self._outbox: list[tuple[_Tracked, TokenEvent]] = []  # this step's events
-        self._waiting: FairQueue[_Tracked] = FairQueue(_key_of)
-        self._running: dict[str, _Tracked] = {}
-        self._paused: dict[str, _Tracked] = {}  # out of the engine until their clients read
+        self._outbox: list[tuple[TrackedRequest, TokenEvent]] = []  # this step's events
+        self._waiting: FairQueue[TrackedRequest] = FairQueue(key_of)
+        self._running: dict[str, TrackedRequest] = {}
+        self._paused: dict[str, TrackedRequest] = {}  # out of the engine until their clients read
         self._backpressure = Backpressure(config.max_unread_events, config.unread_timeout)
         self._per_key = KeyCounts(config.per_key_limit)  # touched on the loop only
         self._scoring = ScoringQueue()  # running requests whose prompts are being scored
@@ -192,14 +136,14 @@ class Scheduler:
             )
         loop = asyncio.get_running_loop()
         stream = RequestStream(request.request_id, self.cancel)
-        tracked = _Tracked(request, stream, loop, arrived=time.monotonic())
+        tracked = TrackedRequest(request, stream, loop, arrived=time.monotonic())
         self._outstanding += 1
         self._per_key.add(request.cache_scope)
-        self._send(_Command("submit", request.request_id, tracked))
+        self._send(Command("submit", request.request_id, tracked))
         return stream
 
     def cancel(self, request_id: str) -> None:
-        self._send(_Command("cancel", request_id))
+        self._send(Command("cancel", request_id))
 
     def begin_drain(self) -> None:
         """Refuse new requests; the running and waiting ones carry on."""
@@ -207,7 +151,7 @@ class Scheduler:
 
     def abort_all(self, reason: str) -> None:
         """End every request now; each stream ends with an error event (thread-safe)."""
-        self._send(_Command("abort_all", reason=reason))
+        self._send(Command("abort_all", reason=reason))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; in-flight requests end as cancelled."""
@@ -231,19 +175,19 @@ class Scheduler:
                 f"{len(request.prompt_tokens)} and max_tokens asks for {request.max_tokens} more"
             )
 
-    def _send(self, command: _Command) -> None:
+    def _send(self, command: Command) -> None:
         with self._wakeup:
             self._inbox.append(command)
             self._wakeup.notify()
 
-    def _deliver(self, tracked: _Tracked, event: TokenEvent) -> None:
+    def _deliver(self, tracked: TrackedRequest, event: TokenEvent) -> None:
         """Queue an event; `_flush` hands a whole step's events to each event loop in
         one call, so a batch of B streams wakes the loop once per step, not B times."""
         tracked.delivered += 1
         self._outbox.append((tracked, event))
 
     def _flush(self) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Tracked, TokenEvent]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[TrackedRequest, TokenEvent]]] = {}
         for tracked, event in self._outbox:
             by_loop.setdefault(tracked.loop, []).append((tracked, event))
         self._outbox = []
@@ -253,7 +197,7 @@ class Scheduler:
             except RuntimeError:  # the event loop is closed: nobody is listening any more
                 pass
 
-    def _put_all(self, events: list[tuple[_Tracked, TokenEvent]]) -> None:
+    def _put_all(self, events: list[tuple[TrackedRequest, TokenEvent]]) -> None:
         for tracked, event in events:
             if event.final:
                 self._outstanding -= 1
@@ -326,46 +270,14 @@ class Scheduler:
         self.measured_rates = self.throughput.as_dict()
 
     def _load(self) -> None:
-        config = self.config
-        log.info("loading model %s", config.model)
-        registry = ModelRegistry.load(config.model, config.draft_model, config.gguf_dtype)
-        self.registry = registry
-        self.speculation_supported = supports_rollback(registry.target.model) and (
-            registry.draft is None or supports_rollback(registry.draft.model)
-        )
-        if not self.speculation_supported:
-            log.warning(
-                "speculation off: this model's KV caches cannot roll back rejected drafts "
-                "(recurrent or sliding-window layers); prompt lookup and any draft model are "
-                "not used, and every request is served by plain continuous batching"
+        loaded = load_model(self.config)
+        self.registry, self._spec = loaded.registry, loaded.engine
+        self.speculation_supported = loaded.speculation_supported
+        if not self.speculation_supported:  # every request is batched
+            self._policy = ModePolicy(
+                batch_threshold=1, return_steps=self.config.batch_return_steps
             )
-            self._policy = ModePolicy(batch_threshold=1, return_steps=config.batch_return_steps)
-            registry.draft = None  # never used: no request may draft on this model
-        drafting = self.speculation_supported
-        self._spec = SpeculativeEngine(
-            registry,
-            SpecConfig(
-                num_draft_tokens=config.num_draft_tokens if drafting else 0,
-                max_draft_tokens=SpecConfig.max_draft_tokens if drafting else 0,
-                enable_pld=config.enable_pld and drafting,
-                prefill_step_size=config.prefill_step_size,
-            ),
-            cost=config.cost_model or (None if self.speculation_supported else _NO_SPECULATION),
-        )
-        registry.transfer(self._spec.name)
-        log.info("speculation: %s", self._spec.describe())
-        if self.speculation_supported:  # the batched engine starts lazily, warm already
-            for model in (registry.target.model, registry.draft and registry.draft.model):
-                if model is not None:
-                    warm_up(model)
-        self.model_info = ModelInfo(
-            path=config.model,
-            tokenizer=registry.tokenizer,
-            context_length=registry.target.context_length,
-            has_draft=registry.draft is not None,
-            grammar=GrammarCompiler(registry.tokenizer),
-        )
-        self.model_info.grammar.warm_in_background()
+        self.model_info = loaded.info
 
     @property
     def mode(self) -> Mode:
@@ -406,7 +318,7 @@ class Scheduler:
     def _engine(self) -> SpeculativeEngine | BatchedEngine:
         return self._spec if self._mode == Mode.SPECULATIVE else self._batched
 
-    def _wait_for_work(self) -> list[_Command] | None:
+    def _wait_for_work(self) -> list[Command] | None:
         with self._wakeup:
             while not self._inbox and not self._has_work() and not self._stopping:
                 if self._paused:  # look again soon: their clients may read or time out
@@ -422,7 +334,7 @@ class Scheduler:
     def _has_work(self) -> bool:
         return bool(self._waiting or self._running)
 
-    def _apply(self, commands: list[_Command]) -> None:
+    def _apply(self, commands: list[Command]) -> None:
         for command in commands:
             if command.kind == "submit":
                 self._waiting.append(command.tracked)
@@ -460,7 +372,7 @@ class Scheduler:
                     error_kind="aborted",
                 )
 
-    def _pause(self, tracked: _Tracked, engine, now: float) -> None:
+    def _pause(self, tracked: TrackedRequest, engine, now: float) -> None:
         request_id = tracked.request.request_id
         if self._mode == Mode.SPECULATIVE:
             state, outputs = engine.export()
@@ -547,7 +459,7 @@ class Scheduler:
         rate = self.throughput.speculative.rate
         return serial_wait_fits(budget, time.monotonic(), left, waiters, rate)
 
-    def _start(self, tracked: _Tracked, engine) -> None:
+    def _start(self, tracked: TrackedRequest, engine) -> None:
         """Start a request in `engine`, from the longest cached prefix of its prompt."""
         if tracked.parked is not None:
             self._resume(tracked, engine)
@@ -585,7 +497,7 @@ class Scheduler:
             return
         self._running[tracked.request.request_id] = tracked
 
-    def _resume(self, tracked: _Tracked, engine) -> None:
+    def _resume(self, tracked: TrackedRequest, engine) -> None:
         """A paused request goes back into the engine where it stopped."""
         state, tracked.parked, tracked.paused_at = tracked.parked, None, None
         try:
@@ -618,7 +530,7 @@ class Scheduler:
         for request_id, scorer in self._scoring.take_done(room):
             self._admit_scored(self._running[request_id], scorer, engine)
 
-    def _admit_scored(self, tracked: _Tracked, scorer: PromptScorer, engine) -> None:
+    def _admit_scored(self, tracked: TrackedRequest, scorer: PromptScorer, engine) -> None:
         tracked.prompt_logprobs = scorer.scored
         if tracked.request.max_tokens == 0:  # scoring only
             del self._running[tracked.request.request_id]
@@ -763,75 +675,27 @@ class Scheduler:
             self._finish(tracked, output.finish_reason, output=output, error=output.error)
             return
         self._deliver(
-            tracked, self._event(tracked, output.token_ids, output.text, logprobs=output.logprobs)
+            tracked, token_event(tracked, output.token_ids, output.text, logprobs=output.logprobs)
         )
 
     def _finish(
         self,
-        tracked: _Tracked,
+        tracked: TrackedRequest,
         reason: FinishReason,
         output: StepOutput | None = None,
         error: str | None = None,
         error_kind: str | None = None,
     ) -> None:
-        event = self._event(
-            tracked,
-            output.token_ids if output else [],
-            output.text if output else "",
-            finish_reason=reason,
-            matched_stop=output.matched_stop if output else None,
-            logprobs=output.logprobs if output else None,
-            error=error,
-            error_kind=error_kind or ("failed" if reason == FinishReason.ERROR else None),
-            speculation=tracked.seq.spec.as_dict() if tracked.seq else None,
-        )
-        event.timings = self._timings(tracked)
-        record = RequestRecord(
-            request_id=tracked.request.request_id,
-            surface=tracked.request.surface,
-            finish_reason=reason.value,
-            prompt_tokens=len(tracked.request.prompt_tokens),
-            cached_tokens=tracked.cached_tokens,
-            completion_tokens=tracked.completion_tokens,
-            queue_s=event.timings.get("queue_s"),
-            ttft_s=event.timings.get("ttft_s"),
-            e2e_s=event.timings["e2e_s"],
-            modes=tuple(tracked.modes),
-            speculation=tracked.seq.spec if tracked.seq else SpecStats(),
-            error=error,
-        )
+        event, record = final_event(tracked, reason, output, error, error_kind)
         log_request(record)
         self.observer.on_finished(record)
         self._deliver(tracked, event)
-
-    def _event(self, tracked: _Tracked, token_ids: list[int], text: str, **kw: Any) -> TokenEvent:
-        scored, tracked.prompt_logprobs = tracked.prompt_logprobs, None
-        return TokenEvent(
-            prompt_logprobs=scored,
-            request_id=tracked.request.request_id,
-            token_ids=token_ids,
-            text=text,
-            prompt_tokens=len(tracked.request.prompt_tokens),
-            completion_tokens=tracked.completion_tokens,
-            cached_tokens=tracked.cached_tokens,
-            **kw,
-        )
-
-    @staticmethod
-    def _timings(tracked: _Tracked) -> dict[str, float]:
-        now = time.monotonic()
-        timings = {"e2e_s": now - tracked.arrived}
-        if tracked.admitted is not None:
-            timings["queue_s"] = tracked.admitted - tracked.arrived
-        if tracked.first_token is not None:
-            timings["ttft_s"] = tracked.first_token - tracked.arrived
-        return timings
 
     def _abort_all(self, reason: str) -> None:
         """End every request with an error event first, then free engine slots best
         effort: the engine may be the thing that broke, and no client may hang on it."""
         running, self._running = self._running, {}
-        waiting, self._waiting = self._waiting, FairQueue(_key_of)
+        waiting, self._waiting = self._waiting, FairQueue(key_of)
         paused, self._paused = self._paused, {}
         for tracked in [*running.values(), *waiting, *paused.values()]:
             self._finish(tracked, FinishReason.CANCELLED, error=reason, error_kind="aborted")

@@ -1,0 +1,86 @@
+"""Loading the model and the single-stream engine that owns it first.
+
+Whether speculation is possible is decided here, once: a model whose KV caches cannot
+roll back rejected drafts (recurrent or sliding-window layers) gets no drafting at all,
+and the scheduler batches every request."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from engines.constraints import GrammarCompiler
+from engines.gates import CostModel
+from engines.ragged_cache import warm_up
+from engines.registry import ModelRegistry
+from engines.rollback import supports_rollback
+from engines.speculative import SpecConfig, SpeculativeEngine
+from scheduler.config import SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+# A model that cannot speculate never measures verify costs.
+_NO_SPECULATION = CostModel.assumed(1)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the server needs to know about the loaded model (no MLX arrays)."""
+
+    path: str
+    tokenizer: Any
+    context_length: int | None
+    has_draft: bool
+    grammar: GrammarCompiler  # JSON schemas -> constraints for this tokenizer
+
+
+@dataclass
+class Loaded:
+    registry: ModelRegistry
+    engine: SpeculativeEngine  # owns the model
+    speculation_supported: bool
+    info: ModelInfo
+
+
+def load_model(config: SchedulerConfig) -> Loaded:
+    """Load the target (and draft), build the single-stream engine and hand it the
+    model; warm the models up so the batched engine starts without a first-use stall.
+    Runs on the engine thread (MLX streams are thread-local)."""
+    log.info("loading model %s", config.model)
+    registry = ModelRegistry.load(config.model, config.draft_model, config.gguf_dtype)
+    drafting = supports_rollback(registry.target.model) and (
+        registry.draft is None or supports_rollback(registry.draft.model)
+    )
+    if not drafting:
+        log.warning(
+            "speculation off: this model's KV caches cannot roll back rejected drafts "
+            "(recurrent or sliding-window layers); prompt lookup and any draft model are "
+            "not used, and every request is served by plain continuous batching"
+        )
+        registry.draft = None  # never used: no request may draft on this model
+    engine = SpeculativeEngine(
+        registry,
+        SpecConfig(
+            num_draft_tokens=config.num_draft_tokens if drafting else 0,
+            max_draft_tokens=SpecConfig.max_draft_tokens if drafting else 0,
+            enable_pld=config.enable_pld and drafting,
+            prefill_step_size=config.prefill_step_size,
+        ),
+        cost=config.cost_model or (None if drafting else _NO_SPECULATION),
+    )
+    registry.transfer(engine.name)
+    log.info("speculation: %s", engine.describe())
+    if drafting:  # the batched engine starts lazily, warm already
+        for model in (registry.target.model, registry.draft and registry.draft.model):
+            if model is not None:
+                warm_up(model)
+    info = ModelInfo(
+        path=config.model,
+        tokenizer=registry.tokenizer,
+        context_length=registry.target.context_length,
+        has_draft=registry.draft is not None,
+        grammar=GrammarCompiler(registry.tokenizer),
+    )
+    info.grammar.warm_in_background()
+    return Loaded(registry, engine, drafting, info)

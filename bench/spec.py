@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="tandem bench spec", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="model path/hub id, or random-100m / wide-stories")
     parser.add_argument("--draft-model", help="draft model (enables the draft configs)")
-    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument(
+        "--num-draft-tokens", type=int, help="Tandem's cap (default: the server's default)"
+    )
     parser.add_argument("--sets", default="echo,novel", help="prompt sets or .jsonl files")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     registry = ModelRegistry.load(model_path, draft_path)
     tokenizer = registry.tokenizer
     wanted = args.configs.split(",")
-    peer_ks = [int(k) for k in args.peer_k.split(",") if k] or [args.num_draft_tokens]
+    peer_ks = [int(k) for k in args.peer_k.split(",") if k] or [args.num_draft_tokens or 4]
     configs = []
     for config in CONFIGS:
         if config not in wanted or (not draft_path and "draft" in config):
@@ -172,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     print(
         f"run     greedy, max_tokens={args.max_tokens}, repeats={args.repeats}, "
-        f"k<={args.num_draft_tokens}, {args.runs} run(s) with a fresh engine each"
+        f"k<={args.num_draft_tokens or 'server default'}, "
+        f"{args.runs} run(s) with a fresh engine each"
     )
     if draft_path:
         target_rate, _ = run_mlx_lm(registry.target.model, tokenizer.encode("Hello"), 32)
@@ -187,11 +190,11 @@ def main(argv: list[str] | None = None) -> dict:
     return report(runs, args.json)
 
 
-def fresh_engine(registry, k: int):
+def fresh_engine(registry, k: int | None):
     """A speculative engine as a fresh server builds it: costs measured at start-up."""
     from engines.speculative import SpecConfig, SpeculativeEngine
 
-    engine = SpeculativeEngine(registry, SpecConfig(num_draft_tokens=k))
+    engine = SpeculativeEngine(registry, SpecConfig.for_server(k))
     registry.transfer(engine.name)
     return engine
 

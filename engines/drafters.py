@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -27,6 +27,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from engines.request import SamplingParams
 from engines.rollback import trim_exact
 from engines.sampling import RandomStream, filter_logprobs
+
+if TYPE_CHECKING:
+    from engines.draft_confidence import DraftStop
 
 PLD = "pld"
 DRAFT = "draft"
@@ -38,6 +41,7 @@ class Draft:
     tokens: list[int]
     probs: mx.array | None  # (k, V) float32 q for sampled drafts; None = one-hot
     match_length: int = 0  # PLD: length of the n-gram that matched
+    confidences: list[float] = field(default_factory=list)  # draft model: its p(token)
 
 
 class PromptLookupDrafter:
@@ -134,9 +138,13 @@ class DraftModelDrafter:
         rng: RandomStream,
         processors: list | None = None,
         position: int = 0,
+        stop: DraftStop | None = None,
     ) -> Draft | None:
         """Up to k draft tokens after `context`; `position` is the output position of
-        the first (a seeded request's draws are keyed by it).
+        the first (a seeded request's draws are keyed by it). With `stop`, each token's
+        confidence (the draft's probability for it) is read as it is drafted, drafting
+        ends where `stop` says one more would not pay, and the proposal is cut to its
+        best length (None if that is no draft at all).
 
         The k draft steps are queued as one lazy chain -- each token fed to the next
         forward as an array and evaluated asynchronously, as mlx_lm's speculative loop
@@ -150,19 +158,28 @@ class DraftModelDrafter:
         history = mx.array(context, dtype=mx.int32) if processors else None
         tokens, probs = [], []
         for i in range(k):
-            token, q = draft_token(logits[None], params, rng, processors, history, position + i)
+            token, q, confidence = draft_token(
+                logits[None], params, rng, processors, history, position + i
+            )
             if q is not None:
                 probs.append(q[0])
-            mx.async_eval(token)
+            mx.async_eval(token, confidence)
             tokens.append(token)
             if history is not None:
                 history = mx.concatenate([history, token.astype(mx.int32)])
+            if stop is not None and not stop.add(confidence.item()):
+                break
             if i + 1 < k:
                 logits = self.model(token[None], cache=state.cache)[0, -1, : self.vocab_size]
                 logits = logits.astype(mx.float32)
         drafted = mx.concatenate(tokens).tolist()
         state.fed.extend(drafted[:-1])  # every draft token but the last was fed
-        return Draft(DRAFT, drafted, mx.stack(probs) if probs else None)
+        if stop is None:
+            return Draft(DRAFT, drafted, mx.stack(probs) if probs else None)
+        keep = stop.best_length()
+        draft = Draft(DRAFT, drafted[:keep], mx.stack(probs[:keep]) if probs else None)
+        draft.confidences = stop.confidences[:keep]
+        return draft
 
     def _catch_up(self, state: DraftState, context: list[int]) -> mx.array:
         """Roll back to the shared prefix (keeping one token to feed), feed the rest."""
@@ -207,18 +224,20 @@ def draft_token(
     processors: list | None,
     history: mx.array | None,
     position: int,
-) -> tuple[mx.array, mx.array | None]:
+) -> tuple[mx.array, mx.array | None, mx.array]:
     """The draft's next token (for output `position`; lazy, shape (1,)) from (1, V)
     logits after the request's processors (which see `history`): argmax when greedy,
     else a sample from q (returned, (1, V) float32). A seeded request samples with the
-    key the target will use at that position, so draft and target draws are coupled."""
+    key the target will use at that position, so draft and target draws are coupled.
+    Last, the draft's probability for the token (lazy, shape (1,)): how sure it is."""
     for processor in processors or ():
         logits = processor(history, logits)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if params.greedy:
-        return mx.argmax(logprobs, axis=-1), None
+        return mx.argmax(logprobs, axis=-1), None, mx.exp(mx.max(logprobs, axis=-1))
     q = mx.softmax(filter_logprobs(params, logprobs) * (1.0 / params.temperature), axis=-1)
-    return mx.random.categorical(mx.log(q), key=rng.draw_key(position)), q
+    token = mx.random.categorical(mx.log(q), key=rng.draw_key(position))
+    return token, q, mx.take_along_axis(q, token[:, None], axis=-1)[:, 0]
 
 
 def choose_draft_token(
@@ -231,5 +250,5 @@ def choose_draft_token(
 ) -> tuple[int, mx.array | None]:
     """`draft_token`, read: the token as an int."""
     tokens = mx.array(history, dtype=mx.int32) if processors else None
-    token, q = draft_token(logits, params, rng, processors, tokens, position)
+    token, q, _ = draft_token(logits, params, rng, processors, tokens, position)
     return int(token.item()), q

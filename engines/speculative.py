@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs, pad_vocab
+from engines.draft_confidence import ConfidenceCalibration, DraftStop
 from engines.drafters import (
     DRAFT,
     PLD,
@@ -57,14 +58,28 @@ TRUSTED_SAMPLE = 32  # drafts before the draft model's acceptance is trusted
 
 @dataclass(frozen=True)
 class SpecConfig:
-    num_draft_tokens: int = 4  # default k_max
+    num_draft_tokens: int = 4  # default k_max (batched rows; prompt lookup's gate)
     max_draft_tokens: int = 8  # per-request overrides are clamped to this
+    # One request's draft-model proposals stop where the draft is unsure, up to this
+    # many tokens (`engines.draft_confidence`); 0 = a draft length from the gates alone.
+    confident_max_tokens: int = 8
     enable_pld: bool = True
     pld_max_ngram: int = 3
     pld_preferred_match: int = 2  # with both drafters, PLD drafts when its match is this long
     pld_probe_match: int = 2  # a closed PLD gate probes only on a match at least this long
     prompt_gate_threshold: float = 0.05  # prompt repetition score below which PLD starts closed
     prefill_step_size: int = 2048
+
+    @classmethod
+    def for_server(cls, num_draft_tokens: int | None, **settings) -> SpecConfig:
+        """Settings from a server's --num-draft-tokens: None keeps the defaults (4 per
+        batched row, up to 8 for one request's confidence-stopped drafts); a number is
+        the user's cap on both."""
+        if num_draft_tokens is None:
+            return cls(**settings)
+        return cls(
+            num_draft_tokens=num_draft_tokens, confident_max_tokens=num_draft_tokens, **settings
+        )
 
 
 @dataclass
@@ -116,7 +131,9 @@ class SpeculativeEngine:
         self.registry = registry
         self.model = registry.model_for(self.name)
         self.config = config
-        self.k_cap = max(config.num_draft_tokens, config.max_draft_tokens)
+        self.k_cap = max(
+            config.num_draft_tokens, config.max_draft_tokens, config.confident_max_tokens
+        )
         draft_model = registry.draft.model if registry.draft else None
         measured = cost or CostModel.measure(registry.target.model, draft_model, self.k_cap + 1)
         # A cost model given explicitly (tests) stays fixed, so gating is repeatable.
@@ -137,6 +154,8 @@ class SpeculativeEngine:
             else None
         )
         self.totals = SpecStats()  # lifetime counters for /metrics
+        # how often the draft model is right, by how sure it was (the pair's property)
+        self.confidence = ConfidenceCalibration()
         self.active: _Active | None = None
         self.released: list[SequenceState] = []  # finished sequences' caches, for reuse
 
@@ -144,8 +163,10 @@ class SpeculativeEngine:
         methods = (["pld"] if self.config.enable_pld else []) + (["draft"] if self.drafter else [])
         cost = self.cost
         costs = ", ".join(f"{c:.2f}" for c in cost.verify[: self.config.num_draft_tokens + 1])
+        confident = self.config.confident_max_tokens if self.drafter else 0
         return (
             f"methods={'+'.join(methods) or 'none'} k={self.config.num_draft_tokens} "
+            + (f"(draft model: stops when unsure, up to {confident}) " if confident else "")
             + (f"(prompt lookup up to {self.k_cap}) " if self.config.enable_pld else "")
             + f"verify cost vs plain step for 1..k+1 tokens=[{costs}]"
             + (f" draft step={cost.draft_step:.2f}" if self.drafter else "")
@@ -238,6 +259,16 @@ class SpeculativeEngine:
         if method == PLD and self.config.num_draft_tokens > 0:
             return self.k_cap
         return self.config.num_draft_tokens
+
+    def confident_k(self, seq: Sequence) -> int:
+        """The most draft-model tokens one proposal may hold when drafting stops by the
+        draft's confidence (0 = confidence stopping off): the request's own
+        num_draft_tokens if it set one, else the server's."""
+        if not self.config.confident_max_tokens:
+            return 0
+        if seq.request.speculation.num_draft_tokens is not None:
+            return self.request_k(seq)
+        return self.config.confident_max_tokens
 
     # ---- the step ---------------------------------------------------------------
 
@@ -370,10 +401,12 @@ class SpeculativeEngine:
         k = gate.draft_length(k_max, self.cost, measured, trusted=trusted) if gate else 0
         if k == 0 or (pld_draft is not None and self._prefer_pld(active, pld_draft, k)):
             return pld_draft
-        if self.realized is not None and gate.open:
+        stop = None
+        if self.confident_k(seq) > 0:  # the draft's confidence decides how far, per step
+            k, stop = min(self.confident_k(seq), left), DraftStop(self.cost, self.confidence)
+        elif self.realized is not None and gate.open:
             k = self.realized.explore_k(k_max) or k  # now and then, another k to calibrate
-        active.predicted = (gate.expected(k), self.cost.step_cost(k, DRAFT))
-        return self.drafter.propose(
+        draft = self.drafter.propose(
             active.draft,
             active.tokens,
             k,
@@ -381,7 +414,13 @@ class SpeculativeEngine:
             seq.rng,
             active.processors,
             position=len(seq.generated),
+            stop=stop,
         )
+        k = len(draft.tokens)
+        active.predicted = (
+            stop.predicted(k) if stop else (gate.expected(k), self.cost.step_cost(k, DRAFT))
+        )
+        return draft
 
     def _trusted_draft(self) -> bool:
         """The draft model's first token was accepted in at least half of its drafts
@@ -487,6 +526,8 @@ class SpeculativeEngine:
 
     def _record(self, active: _Active, draft: Draft, accepted: int) -> None:
         k = len(draft.tokens)
+        if draft.confidences:
+            self.confidence.observe(draft.confidences, accepted)
         active.seq.spec.record(draft.method, k, accepted)
         self.totals.record(draft.method, k, accepted)
         gate = active.gates[draft.method]

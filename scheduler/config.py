@@ -15,7 +15,7 @@ class SchedulerConfig:
     model: str
     draft_model: str | None = None
     gguf_dtype: str | None = None  # GGUF files import as this (None: float32 on CPU, else f16)
-    num_draft_tokens: int = 4
+    num_draft_tokens: int | None = None  # None: SpecConfig's defaults (see for_server)
     enable_pld: bool = True
     max_queue: int = 256  # requests waiting beyond the running ones; more get QueueFull
     max_num_seqs: int = 16  # requests decoding at once (the batch size bound)

@@ -61,8 +61,8 @@ def load_model(config: SchedulerConfig) -> Loaded:
         registry.draft = None  # never used: no request may draft on this model
     engine = SpeculativeEngine(
         registry,
-        SpecConfig(
-            num_draft_tokens=config.num_draft_tokens if drafting else 0,
+        SpecConfig.for_server(
+            config.num_draft_tokens if drafting else 0,
             max_draft_tokens=SpecConfig.max_draft_tokens if drafting else 0,
             enable_pld=config.enable_pld and drafting,
             prefill_step_size=config.prefill_step_size,

@@ -297,7 +297,8 @@ class Scheduler:
         """The single-stream cost model in use (verify and draft-step costs relative to a
         plain step), what was measured at start-up, and how many steps taught it; and the
         batched engine's forward costs in seconds and its measured/predicted calibration
-        by batch size and kind of step (None until it starts)."""
+        by batch size and kind of step (None until it starts); and how often the draft
+        model's tokens are accepted by how sure it was (None without a draft model)."""
         if self._spec is None:
             return None
         realized = self._spec.realized
@@ -305,6 +306,9 @@ class Scheduler:
         return {
             **self._spec.costs.snapshot(),
             "realized_tokens_per_s": realized.snapshot() if realized is not None else None,
+            "draft_confidence": (
+                self._spec.confidence.snapshot() if self._spec.drafter is not None else None
+            ),
             "batched": (
                 batched.costs.as_dict() if isinstance(batched, BatchedSpeculativeEngine) else None
             ),
@@ -313,7 +317,7 @@ class Scheduler:
     @property
     def max_draft_tokens(self) -> int:
         """The largest draft length a request can get (overrides are clamped to it)."""
-        return max(self.config.num_draft_tokens, SpecConfig.max_draft_tokens)
+        return max(self.config.num_draft_tokens or 0, SpecConfig.max_draft_tokens)
 
     def _engine(self) -> SpeculativeEngine | BatchedEngine:
         return self._spec if self._mode == Mode.SPECULATIVE else self._batched

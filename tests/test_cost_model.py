@@ -125,6 +125,9 @@ async def test_the_costs_in_use_are_in_stats_and_metrics(spec_scheduler):
     assert costs["verify"] == pytest.approx(list(expected.verify), abs=1e-4)
     assert costs["draft_step"] == pytest.approx(expected.draft_step)
     assert costs["learning"] is False
+    calibration = costs["draft_confidence"]  # the draft's acceptance by its confidence
+    assert len(calibration) == 10
+    assert all(0 <= b["acceptance"] <= 1 and b["seen"] >= 0 for b in calibration.values())
     label = f'model_name="{stats["model"]}"'
     for n, cost in enumerate(expected.verify, start=1):
         line = f'tandem_spec_verify_cost_ratio{{{label},tokens="{n}"}} {round(cost, 4)}\n'

@@ -4,17 +4,15 @@ how much is drafted, never what is emitted (greedy equality, sampled distributio
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
 
 from engines.draft_confidence import MEMORY, ConfidenceCalibration, DraftStop
 from engines.gates import CostModel
-from engines.request import SamplingParams, SpeculationOverrides
-from engines.sampling import RandomStream
+from engines.request import SpeculationOverrides
 from engines.speculative import SpecConfig
 from server.cli import build_parser
 from tests.distributions import assert_same_token_distribution
-from tests.test_speculative import STORY_PROMPT, make_engine, run
+from tests.test_speculative import STORY_PROMPT, first_tokens, make_engine, run
 
 CHEAP_DRAFT = CostModel.assumed(9)  # verify 1 + 0.15 per token, a draft step 0.1
 
@@ -163,25 +161,9 @@ def test_sampled_output_with_confidence_stopping_keeps_plain_distribution(
     different lengths: tokens at later positions keep plain sampling's distribution."""
     engine = make_engine(tiny_model_dir, perturbed_draft_dir, enable_pld=False)
     prompt_ids = reference.tokenizer.encode(STORY_PROMPT)
-    params = SamplingParams(temperature=0.8, top_k=6)
-    trials = 700
-    samples = {}
-    for spec in (True, False):
-        overrides = SpeculationOverrides() if spec else SpeculationOverrides(num_draft_tokens=0)
-        outputs = []
-        for seed in range(trials):
-            rng = RandomStream(mx.random.key(seed + (0 if spec else trials)))
-            seq, _ = run(
-                engine,
-                prompt_ids,
-                6,
-                sampling=params,
-                rng=rng,
-                ignore_eos=True,
-                speculation=overrides,
-            )
-            outputs.append(tuple(seq.generated))
-        samples[spec] = outputs
+    samples = {
+        spec: first_tokens(engine, prompt_ids, 700, spec, max_tokens=6) for spec in (True, False)
+    }
     assert_same_token_distribution(samples[True], samples[False], positions=(2, 4, 5))
     draft = engine.totals.by_method["draft"]
     assert 0 < draft.accepted_tokens < draft.draft_tokens

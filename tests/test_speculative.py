@@ -245,7 +245,9 @@ def test_export_and_resume_gives_the_uninterrupted_output(
 # ---- sampled distribution end to end -----------------------------------------------
 
 
-def first_tokens(engine, prompt_ids, trials: int, spec: bool) -> list[tuple[int, int]]:
+def first_tokens(
+    engine, prompt_ids, trials: int, spec: bool, max_tokens: int = 2
+) -> list[tuple[int, ...]]:
     sampling_overrides = (
         SpeculationOverrides() if spec else SpeculationOverrides(num_draft_tokens=0)
     )
@@ -258,7 +260,7 @@ def first_tokens(engine, prompt_ids, trials: int, spec: bool) -> list[tuple[int,
         seq, _ = run(
             engine,
             prompt_ids,
-            2,
+            max_tokens,
             sampling=params,
             rng=rng,
             ignore_eos=True,

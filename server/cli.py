@@ -45,8 +45,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-draft-tokens",
         type=int,
         default=None,
-        help="largest draft length k (default: one request drafts until the draft model is "
-        "unsure, up to 8; a batched row up to 4; requests may ask for up to 8)",
+        help="largest draft length k (default 8: one request drafts until the draft model is "
+        "unsure, a batched row as far as the batch's measured goodput says; requests may ask "
+        "for up to 8)",
     )
     parser.add_argument("--no-pld", action="store_true", help="disable prompt-lookup decoding")
     parser.add_argument("--host", default="127.0.0.1")

@@ -187,10 +187,26 @@ def test_realized_rates_compare_drafting_with_plain_and_ask_for_probes():
     assert not rates.plain_probe_due()
     for _ in range(rates.stale_after):
         rates.observe(DRAFT, 0.03, 3)
+    # 2x plain: only a large change of the machine's speed could reverse that, so the
+    # comparison is renewed less often than a close one
+    assert not rates.plain_probe_due()
+    assert rates.probe_interval() == rates.stale_after * rates.wide_margin_spacing
+    for _ in range(rates.probe_interval() - rates.stale_after):
+        rates.observe(DRAFT, 0.03, 3)
     assert rates.plain_probe_due()  # plain was last seen long ago: measure it again
     rates.observe(PLAIN, 0.04, 1)  # the machine got slower for plain steps too
     assert not rates.plain_probe_due()
     assert rates.speedup(DRAFT) > 2.0  # so drafting gains more than start-up said
+
+
+def test_a_close_comparison_is_probed_at_the_usual_interval():
+    rates = RealizedRates.starting_from(plain_seconds=0.02)  # 50 tokens/s
+    for _ in range(rates.min_draft_steps + 1):
+        rates.observe(DRAFT, 0.018, 1)  # 56 tokens/s: 1.1x, a verdict a small drift flips
+    assert rates.probe_interval() == rates.stale_after
+    for _ in range(rates.stale_after - rates.since_plain):
+        rates.observe(DRAFT, 0.018, 1)
+    assert rates.plain_probe_due()
 
 
 def test_an_open_gate_that_finds_nothing_worth_drafting_lets_plain_steps_pipeline(

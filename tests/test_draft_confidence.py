@@ -97,7 +97,7 @@ def test_num_draft_tokens_unset_keeps_defaults_and_a_number_caps_every_draft():
     unset = parser.parse_args(["serve", "m"]).num_draft_tokens
     assert unset is None
     default = SpecConfig.for_server(unset)
-    assert (default.num_draft_tokens, default.confident_max_tokens) == (4, 8)
+    assert (default.num_draft_tokens, default.confident_max_tokens) == (8, 8)
     capped = SpecConfig.for_server(
         parser.parse_args(["serve", "m", "--num-draft-tokens", "3"]).num_draft_tokens
     )

@@ -165,7 +165,7 @@ def test_speculation_flags_reach_the_engine(tiny_model_dir, tiny_draft_dir):
     with running_server(draft, dict(os.environ)) as proc:
         proc.wait_for_log(r"speculation: methods=pld\+draft k=3")
     with running_server([str(tiny_model_dir), "--no-pld"], dict(os.environ)) as proc:
-        proc.wait_for_log(r"speculation: methods=none k=4")
+        proc.wait_for_log(r"speculation: methods=none k=8")
 
 
 @pytest.mark.parametrize("model", ["missing directory", "gguf file"])

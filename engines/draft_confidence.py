@@ -118,14 +118,14 @@ class DraftStop:
     def best_length(self) -> int:
         """The number of drafts to verify (at least one: the gates decided that drafting
         pays; the draft steps taken are spent whatever is verified)."""
-        spent = len(self.confidences) * self.cost.draft_step
-        rates = {
-            k: self.expected[k] / (self.cost.verify_cost(k + 1) + spent)
-            for k in range(1, len(self.expected))
-        }
+        rates = {}
+        for k in range(1, len(self.expected)):
+            tokens, cost = self.predicted(k)
+            rates[k] = tokens / cost
         return max(rates, key=lambda k: (rates[k], -k))
 
     def predicted(self, k: int) -> tuple[float, float]:
-        """(tokens, cost in plain steps) expected for verifying the first k drafts."""
+        """(tokens, cost in plain steps) expected for verifying the first k drafts, every
+        draft step taken so far counted."""
         spent = len(self.confidences) * self.cost.draft_step
         return self.expected[k], self.cost.verify_cost(k + 1) + spent

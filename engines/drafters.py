@@ -144,7 +144,7 @@ class DraftModelDrafter:
         the first (a seeded request's draws are keyed by it). With `stop`, each token's
         confidence (the draft's probability for it) is read as it is drafted, drafting
         ends where `stop` says one more would not pay, and the proposal is cut to its
-        best length (None if that is no draft at all).
+        best length (at least one token).
 
         The k draft steps are queued as one lazy chain -- each token fed to the next
         forward as an array and evaluated asynchronously, as mlx_lm's speculative loop
@@ -177,9 +177,8 @@ class DraftModelDrafter:
         if stop is None:
             return Draft(DRAFT, drafted, mx.stack(probs) if probs else None)
         keep = stop.best_length()
-        draft = Draft(DRAFT, drafted[:keep], mx.stack(probs[:keep]) if probs else None)
-        draft.confidences = stop.confidences[:keep]
-        return draft
+        q = mx.stack(probs[:keep]) if probs else None
+        return Draft(DRAFT, drafted[:keep], q, confidences=stop.confidences[:keep])
 
     def _catch_up(self, state: DraftState, context: list[int]) -> mx.array:
         """Roll back to the shared prefix (keeping one token to feed), feed the rest."""

@@ -500,10 +500,10 @@ class RealizedRates:
 
     Running averages of seconds and of tokens per step (their ratio is the rate), and
     per draft length k of the real and the predicted tokens and costs (in plain steps),
-    whose ratio calibrates that k's prediction. `plain_probe_due` asks the engine for a
-    few plain steps now and then while drafting runs without pause, and `explore_k` for
-    a step at another k now and then, so no comparison goes stale (each costs a few
-    steps in `stale_after`)."""
+    whose ratio calibrates that k's prediction (one request's drafts stop at varying
+    lengths, so every k is seen). `plain_probe_due` asks the engine for a few plain
+    steps now and then while drafting runs without pause, so the comparison does not
+    go stale."""
 
     weight: float = 0.1
     min_steps: int = 4  # plain steps (they start from the start-up measurement)
@@ -512,14 +512,12 @@ class RealizedRates:
     stale_after: int = 48
     wide_margin: float = 1.25  # drafting this much faster than plain is probed less often
     wide_margin_spacing: int = 4
-    explore_every: int = 8
     seconds: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, float] = field(default_factory=dict)
     steps: dict[str, int] = field(default_factory=dict)
     since_plain: int = 0
     by_k: dict[int, list[float]] = field(default_factory=dict)  # real/predicted tok, cost
     k_steps: dict[int, int] = field(default_factory=dict)
-    explored: int = 0
 
     @classmethod
     def starting_from(cls, plain_seconds: float) -> RealizedRates:
@@ -593,15 +591,6 @@ class RealizedRates:
         if max((s for s in speedups if s is not None), default=0.0) >= self.wide_margin:
             return self.stale_after * self.wide_margin_spacing
         return self.stale_after
-
-    def explore_k(self, k_max: int) -> int | None:
-        """Every `explore_every` drafting steps, the draft length seen least (so every k's
-        calibration keeps being measured); otherwise None."""
-        self.explored += 1
-        if self.explored < self.explore_every:
-            return None
-        self.explored = 0
-        return min(range(1, k_max + 1), key=lambda k: (self.k_steps.get(k, 0), k))
 
     def snapshot(self) -> dict:
         kinds = sorted(list(self.steps))  # one atomic copy: the engine thread adds keys

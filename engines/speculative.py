@@ -58,11 +58,10 @@ TRUSTED_SAMPLE = 32  # drafts before the draft model's acceptance is trusted
 
 @dataclass(frozen=True)
 class SpecConfig:
-    num_draft_tokens: int = 4  # k_max of a batched row and of gated drafting
+    # The most draft-model tokens in a proposal: one request's stop earlier where the
+    # draft is unsure (`engines.draft_confidence`), a batched row's at the batch's K.
+    num_draft_tokens: int = 4
     max_draft_tokens: int = 8  # per-request overrides are clamped to this
-    # One request's draft-model proposals stop where the draft is unsure, up to this
-    # many tokens (`engines.draft_confidence`); 0 = a draft length from the gates alone.
-    confident_max_tokens: int = 8
     enable_pld: bool = True
     pld_max_ngram: int = 3
     pld_preferred_match: int = 2  # with both drafters, PLD drafts when its match is this long
@@ -78,7 +77,7 @@ class SpecConfig:
         goodput chooses. A fixed default of 4 held a matched draft to half its yield: at
         c=2 the batch then served two users more slowly than one-at-a-time drafting to 8."""
         k = cls.max_draft_tokens if num_draft_tokens is None else num_draft_tokens
-        return cls(num_draft_tokens=k, confident_max_tokens=k, **settings)
+        return cls(num_draft_tokens=k, **settings)
 
 
 @dataclass
@@ -130,9 +129,7 @@ class SpeculativeEngine:
         self.registry = registry
         self.model = registry.model_for(self.name)
         self.config = config
-        self.k_cap = max(
-            config.num_draft_tokens, config.max_draft_tokens, config.confident_max_tokens
-        )
+        self.k_cap = max(config.num_draft_tokens, config.max_draft_tokens)
         draft_model = registry.draft.model if registry.draft else None
         measured = cost or CostModel.measure(registry.target.model, draft_model, self.k_cap + 1)
         # A cost model given explicitly (tests) stays fixed, so gating is repeatable.
@@ -162,10 +159,9 @@ class SpeculativeEngine:
         methods = (["pld"] if self.config.enable_pld else []) + (["draft"] if self.drafter else [])
         cost = self.cost
         costs = ", ".join(f"{c:.2f}" for c in cost.verify[: self.config.num_draft_tokens + 1])
-        confident = self.config.confident_max_tokens if self.drafter else 0
         return (
             f"methods={'+'.join(methods) or 'none'} k={self.config.num_draft_tokens} "
-            + (f"(draft model: stops when unsure, up to {confident}) " if confident else "")
+            + ("(draft model: stops when unsure) " if self.drafter else "")
             + (f"(prompt lookup up to {self.k_cap}) " if self.config.enable_pld else "")
             + f"verify cost vs plain step for 1..k+1 tokens=[{costs}]"
             + (f" draft step={cost.draft_step:.2f}" if self.drafter else "")
@@ -258,16 +254,6 @@ class SpeculativeEngine:
         if method == PLD and self.config.num_draft_tokens > 0:
             return self.k_cap
         return self.config.num_draft_tokens
-
-    def confident_k(self, seq: Sequence) -> int:
-        """The most draft-model tokens one proposal may hold when drafting stops by the
-        draft's confidence (0 = confidence stopping off): the request's own
-        num_draft_tokens if it set one, else the server's."""
-        if not self.config.confident_max_tokens:
-            return 0
-        if seq.request.speculation.num_draft_tokens is not None:
-            return self.request_k(seq)
-        return self.config.confident_max_tokens
 
     # ---- the step ---------------------------------------------------------------
 
@@ -400,25 +386,19 @@ class SpeculativeEngine:
         k = gate.draft_length(k_max, self.cost, measured, trusted=trusted) if gate else 0
         if k == 0 or (pld_draft is not None and self._prefer_pld(active, pld_draft, k)):
             return pld_draft
-        stop = None
-        if self.confident_k(seq) > 0:  # the draft's confidence decides how far, per step
-            k, stop = min(self.confident_k(seq), left), DraftStop(self.cost, self.confidence)
-        elif self.realized is not None and gate.open:
-            k = self.realized.explore_k(k_max) or k  # now and then, another k to calibrate
+        # the gates said the draft model pays; its confidence says how far, up to k_max
+        stop = DraftStop(self.cost, self.confidence)
         draft = self.drafter.propose(
             active.draft,
             active.tokens,
-            k,
+            k_max,
             seq.request.sampling,
             seq.rng,
             active.processors,
             position=len(seq.generated),
             stop=stop,
         )
-        k = len(draft.tokens)
-        active.predicted = (
-            stop.predicted(k) if stop else (gate.expected(k), self.cost.step_cost(k, DRAFT))
-        )
+        active.predicted = stop.predicted(len(draft.tokens))
         return draft
 
     def _trusted_draft(self) -> bool:

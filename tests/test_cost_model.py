@@ -278,15 +278,6 @@ def test_each_draft_length_is_judged_by_what_it_gave_when_served():
     assert gate.open_length(4, cost, measured) == 4
 
 
-def test_exploration_visits_the_draft_length_seen_least():
-    rates = RealizedRates.starting_from(plain_seconds=0.04)
-    for k in (3, 3, 1, 2):
-        rates.observe_draft(DRAFT, k, 0.05, 2, (2.0, 1.5))
-    picks = [rates.explore_k(4) for _ in range(rates.explore_every)]
-    assert picks[:-1] == [None] * (rates.explore_every - 1)
-    assert picks[-1] == 4  # never seen
-
-
 # ---- acceptance learned per draft position ---------------------------------------------
 
 CPU_COSTS = CostModel((1.0, 1.21, 1.48, 1.79, 1.98, 2.2, 2.4, 2.6, 2.8), draft_step=0.08)

@@ -97,13 +97,13 @@ def test_num_draft_tokens_unset_keeps_defaults_and_a_number_caps_every_draft():
     unset = parser.parse_args(["serve", "m"]).num_draft_tokens
     assert unset is None
     default = SpecConfig.for_server(unset)
-    assert (default.num_draft_tokens, default.confident_max_tokens) == (8, 8)
+    assert default.num_draft_tokens == 8
     capped = SpecConfig.for_server(
         parser.parse_args(["serve", "m", "--num-draft-tokens", "3"]).num_draft_tokens
     )
-    assert (capped.num_draft_tokens, capped.confident_max_tokens) == (3, 3)
+    assert capped.num_draft_tokens == 3
     off = SpecConfig.for_server(0)
-    assert (off.num_draft_tokens, off.confident_max_tokens) == (0, 0)
+    assert off.num_draft_tokens == 0
 
 
 # ---- through the engine -----------------------------------------------------------
@@ -115,7 +115,7 @@ def test_a_matched_draft_drafts_past_the_batched_k_and_output_equals_plain(
     """The target as its own draft: every token is accepted though the random model is
     never sure of one (its probabilities are low), so the calibration learns that the
     pair is right when unsure and the proposals run to 8 tokens, twice the fixed 4."""
-    engine = make_engine(tiny_model_dir, tiny_model_dir)
+    engine = make_engine(tiny_model_dir, tiny_model_dir, num_draft_tokens=8)
     prompt_ids = reference.tokenizer.encode(STORY_PROMPT)
     seq, _ = run(engine, prompt_ids, 160, ignore_eos=True)
     assert seq.generated == reference.greedy_tokens(prompt_ids, 160)

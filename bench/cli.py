@@ -3,6 +3,7 @@
 tandem bench spec MODEL ...     in-process speculative speed-up suite (bench/spec.py)
 tandem bench single ...         one server process vs mlx-lm, single stream
 tandem bench grammar MODEL      per-token cost of --tool-call-grammar auto
+tandem bench ceiling MODEL      the most prompt lookup could gain in a batch (an oracle bound)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ def main(argv: list[str]) -> None:
         "serve": "bench.serve",
         "plot": "bench.plot",
         "grammar": "bench.grammar_cost",
+        "ceiling": "bench.ceiling",
     }
     if not argv or argv[0] not in commands:
         print(__doc__)

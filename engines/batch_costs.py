@@ -1,13 +1,11 @@
-"""What a batched forward costs, and the per-row draft lengths that pay most for a batch.
+"""What a batched forward costs, and the draft length that pays most for a batch.
 
-A batched step verifies `[B, 1 + K]`: row i feeds its newest token and its k_i drafted
-ones (K the longest; shorter rows are padded, and the padding is packed away from every
-token-wise layer, `packed_tokens`). Its cost depends on the real tokens in the forward,
-n = B + sum k_i, and -- when any row drafts with the draft model -- on the longest
-such row's batched draft-model steps. Row i commits E_i(k_i) = 1 + a_1 + a_1 a_2 + ...
-(k_i terms) tokens in expectation (a_i learned per position, see `gates`). The step's
-lengths maximise sum_i E_i / cost; all zero is plain batching, and with one row this
-is the single-stream rule.
+A batched step verifies `[B, 1 + K]`: every row feeds its newest token and up to K
+drafted ones (shorter drafts are padded). Its cost depends on the tokens in the
+forward, n = B * (1 + K), and -- when any row drafts with the draft model -- on K
+batched draft-model steps. Row i commits E_i(k_i) = 1 + a_1 + a_1 a_2 + ... (k_i terms)
+tokens in expectation (a_i learned per position, see `gates`). The step's K maximises
+sum_i E_i / cost; K = 0 is plain batching, and with one row this is the single-stream rule.
 
 Costs start from the single-stream startup measurement (verify cost of n tokens
 relative to a plain step, extended linearly past the measured n) and are replaced by
@@ -65,21 +63,15 @@ class RowOption:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """A step's drafts and what is predicted for them: committed tokens and cost -- in
-    seconds when `in_seconds` (some forward was measured when it was made), else in the
-    start-up prior's units. `lengths[i]` is row i's draft length and `uses_model[i]`
-    whether the draft model makes it (empty for plain steps and uniform plans, where
-    every row drafts min(k, its cap)); `k` is the longest, `forward` the real tokens
-    the verify feeds (padding is packed away, `packed_tokens`)."""
+    """A step's draft length K, whether the draft model runs, and what is predicted for
+    it: committed tokens and cost -- in seconds when `in_seconds` (some forward was
+    measured when it was made), else in the start-up prior's units."""
 
     k: int
     with_model: bool
     tokens: float
     cost: float
     in_seconds: bool = False
-    forward: int = 0
-    lengths: tuple[int, ...] = ()
-    uses_model: tuple[bool, ...] = ()
 
     @property
     def kind(self) -> str:
@@ -151,21 +143,10 @@ class BatchCosts:
     # steps served at (rows) since a (rows, kind) step last ran
     since: dict[tuple[int, str], int] = field(default_factory=dict)
     decisions: int = 0
-    # seconds a padded position adds to a packed forward, over its real tokens' cost
-    padding: _Average = field(default_factory=_Average)
-    explored: dict[int, int] = field(default_factory=dict)  # exploring plans by rectangle
 
-    def observe_target(self, tokens: int, seconds: float, padded: int = 0) -> None:
-        """A forward over `tokens` real tokens and `padded` padded positions. Only
-        unpadded forwards measure the cost curve in tokens; a padded one measures what
-        its padding added beyond that curve."""
-        if not self.learn:
-            return
-        if padded == 0:
+    def observe_target(self, tokens: int, seconds: float) -> None:
+        if self.learn:
             self.target.setdefault(tokens, _Average()).add(seconds)
-        elif self._target_known():
-            extra = seconds - self.target_cost(tokens)
-            self.padding.add(max(extra, 0.0) / padded)
 
     def observe_draft(self, rows: int, seconds_per_step: float) -> None:
         if self.learn:
@@ -174,29 +155,6 @@ class BatchCosts:
     def target_cost(self, tokens: int) -> float:
         known = {n: a for n, a in self.target.items() if a.samples >= self.min_samples}
         return _scaled(_monotone(known), tokens, self._prior_ratio)
-
-    def forward_costs(self, rows: int, k_max: int) -> dict[tuple[int, int], float]:
-        """Seconds of every (real tokens, rectangle) forward a plan for `rows` rows
-        drafting up to `k_max` can feed, fitting the measurements once: the real tokens'
-        cost plus the measured cost of each padded position -- until padding is
-        measured, taken to cost what real tokens do (no saving assumed before one is
-        seen)."""
-        known = {n: a for n, a in self.target.items() if a.samples >= self.min_samples}
-        fitted = _monotone(known)
-        by_tokens = {
-            n: _scaled(fitted, n, self._prior_ratio) for n in range(rows, rows * (1 + k_max) + 1)
-        }
-        padding = self.padding.value if self.padding.samples >= self.min_samples else None
-        table = {}
-        for k in range(k_max + 1):
-            rectangle = rows * (1 + k)
-            for real in range(rows + k, rectangle + 1):
-                spare = rectangle - real
-                if spare and padding is None:
-                    table[real, rectangle] = by_tokens[rectangle]
-                else:
-                    table[real, rectangle] = by_tokens[real] + (padding or 0.0) * spare
-        return table
 
     def draft_cost(self, rows: int) -> float:
         """One batched draft-model step over `rows` rows, in target_cost's units."""
@@ -212,8 +170,7 @@ class BatchCosts:
         the draft model runs `draft_steps` forwards (default k: no drafting row's own
         cap is shorter)."""
         cost = self.step_cost(rows, k, with_model, draft_steps)
-        forward = rows * (1 + k)
-        return BatchPlan(k, with_model, tokens, cost, self._target_known(), forward)
+        return BatchPlan(k, with_model, tokens, cost, in_seconds=self._target_known())
 
     def plain_plan(self, rows: int) -> BatchPlan:
         return self.plan(rows, 0, False, float(rows))
@@ -293,7 +250,7 @@ class BatchCosts:
 
     def explore(self, choice: BatchPlan, plans: dict[BatchPlan, float], rows: int) -> BatchPlan:
         """Now and then, the best-rated plan one draft token longer or shorter whose
-        forward rectangle (rows * (1 + K) positions) has too few measurements."""
+        forward size (rows * (1 + K) tokens) has too few measurements."""
         self.decisions += 1
         if not self.learn or self.decisions % self.explore_every:
             return choice
@@ -302,18 +259,11 @@ class BatchCosts:
             for plan in plans
             if abs(plan.k - choice.k) == 1 and self._samples(rows * (1 + plan.k)) < self.min_samples
         ]
-        if not unmeasured:
-            return choice
-        explored = max(unmeasured, key=plans.get)
-        rectangle = rows * (1 + explored.k)
-        self.explored[rectangle] = self.explored.get(rectangle, 0) + 1
-        return explored
+        return max(unmeasured, key=plans.get) if unmeasured else choice
 
-    def _samples(self, rectangle: int) -> int:
-        """Measurements of forwards of `rectangle` positions, counting explorations
-        (a packed forward measures its padding, not its rectangle's size)."""
-        average = self.target.get(rectangle)
-        return (average.samples if average else 0) + self.explored.get(rectangle, 0)
+    def _samples(self, tokens: int) -> int:
+        average = self.target.get(tokens)
+        return average.samples if average else 0
 
     def as_dict(self) -> dict:
         return {
@@ -376,27 +326,24 @@ def _scaled(known: dict[int, float], n: int, prior) -> float:
 
 
 def choose_draft_length(costs: BatchCosts, rows: list[list[RowOption]], k_max: int) -> BatchPlan:
-    """The plan (each row's draft length and method) maximising committed tokens per
-    second.
+    """The plan (K, run the draft model) maximising committed tokens per second.
 
-    `rows[i]` lists row i's drafting options (empty: the row just decodes). A verify
-    costs about its real tokens (padding is packed away), so draft tokens go to the
-    rows most likely to have them accepted (`_plans`): one row copying its context may
-    draft 8 beside rows that draft nothing. Each kind's predicted rate is scaled by its
-    measured calibration at this batch size, a kind that has really committed fewer
-    tokens per second than plain steps here sits out (bar probes), and drafting must
-    beat plain decoding by `MIN_SPEEDUP` (one row, the single-stream rule) or
-    `BATCH_MIN_SPEEDUP` (several rows). Every `explore_every` decisions, a plan whose
-    forward size has not been measured yet is tried instead, so a pessimistic prior
-    cannot keep the best plan from being found."""
+    `rows[i]` lists row i's drafting options (empty: the row just decodes). A row
+    drafts with whichever option yields more at the chosen K. Each kind's predicted
+    rate is scaled by its measured calibration at this batch size, a kind that has
+    really committed fewer tokens per second than plain steps here sits out (bar
+    probes), and drafting must beat plain decoding by `MIN_SPEEDUP` (one row, the
+    single-stream rule) or `BATCH_MIN_SPEEDUP` (several rows). Every `explore_every`
+    decisions, a neighbouring K whose forward size has not been measured yet is tried
+    instead, so a pessimistic prior cannot keep the best K from being found."""
     batch = len(rows)
     model_cap = max((o.cap for options in rows for o in options if o.uses_draft_model), default=0)
-    model_cap = min(model_cap, k_max)
-    forward = costs.forward_costs(batch, k_max)
     plain = costs.plain_plan(batch)
-    plans = {plain}
-    for model_steps in range(model_cap + 1):
-        plans.update(_plans(costs, forward, rows, k_max, model_steps))
+    plans = [plain]
+    for k in range(1, k_max + 1):
+        for with_model in (False, True) if model_cap else (False,):
+            tokens = sum(_row_expectation(options, k, with_model) for options in rows)
+            plans.append(costs.plan(batch, k, with_model, tokens, model_cap))
     rated = {
         plan: plan.rate * costs.calibration(batch, plan.kind)
         for plan in plans
@@ -409,55 +356,6 @@ def choose_draft_length(costs: BatchCosts, rows: list[list[RowOption]], k_max: i
     return costs.explore(best, rated, batch)
 
 
-def _plans(
-    costs: BatchCosts,
-    forward: dict[int, float],
-    rows: list[list[RowOption]],
-    k_max: int,
-    model_steps: int,
-) -> list[BatchPlan]:
-    """Plans that add draft tokens one at a time, most likely accepted first: row i's
-    j-th draft token is accepted with probability a_1 ... a_j (its option's rates),
-    which falls with j, so every prefix of that order is a set of per-row draft
-    lengths. Each row drafts with its option that expects most (the draft model up to
-    `model_steps` tokens, prompt lookup up to its own cap)."""
-    batch = len(rows)
-    chosen = [_row_option(options, k_max, model_steps) for options in rows]
-    uses_model = tuple(option is not None and option.uses_draft_model for option, _ in chosen)
-    increments = []
-    for i, (option, cap) in enumerate(chosen):
-        reach = 1.0
-        for j in range(cap):
-            reach *= _rate(option.acceptance, j)
-            increments.append((-reach, j, i))
-    increments.sort()
-    in_seconds = costs._target_known()
-    draft_step = costs.draft_cost(batch) if any(uses_model) else 0.0
-    lengths, tokens, plans = [0] * batch, float(batch), []
-    for gain, j, i in increments:
-        lengths[i], tokens = j + 1, tokens - gain
-        steps = max((n for n, m in zip(lengths, uses_model, strict=True) if m), default=0)
-        k, real = max(lengths), batch + sum(lengths)
-        cost = forward[real, batch * (1 + k)] + steps * draft_step
-        used = tuple(m and n > 0 for n, m in zip(lengths, uses_model, strict=True))
-        plan = BatchPlan(
-            max(lengths), steps > 0, tokens, cost, in_seconds, real, tuple(lengths), used
-        )
-        plans.append(plan)
-    return plans
-
-
-def _row_option(options: list[RowOption], k_max: int, model_steps: int):
-    """The row's option expecting most tokens, with the length it may draft."""
-    best, best_cap, expected = None, 0, 1.0
-    for option in options:
-        cap = min(option.cap, model_steps if option.uses_draft_model else k_max)
-        gain = expected_tokens(option.acceptance, cap)
-        if cap > 0 and gain > expected:
-            best, best_cap, expected = option, cap, gain
-    return best, best_cap
-
-
-def _rate(acceptance: Acceptance, position: int) -> float:
-    rates = (acceptance,) if isinstance(acceptance, int | float) else tuple(acceptance)
-    return rates[min(position, len(rates) - 1)]
+def _row_expectation(options: list[RowOption], k: int, with_model: bool) -> float:
+    usable = [o for o in options if with_model or not o.uses_draft_model]
+    return max((expected_tokens(o.acceptance, min(k, o.cap)) for o in usable), default=1.0)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from engines.batch_costs import RowOption
 from engines.drafters import (
     DRAFT,
     DraftState,
@@ -25,7 +26,7 @@ from engines.drafters import (
     choose_draft_token,
     shared_prefix,
 )
-from engines.gates import MethodGate
+from engines.gates import MethodGate, expected_tokens
 from engines.ragged_cache import RaggedKVCache, feed_rows, set_row_length
 from engines.sequence import Sequence
 
@@ -47,6 +48,27 @@ class BatchRow:
     @property
     def tokens(self) -> list[int]:
         return self.seq.all_tokens
+
+
+def choose_row_method(row: BatchRow, options: list[RowOption], k: int, with_model: bool) -> None:
+    """At draft length k, the row drafts with its better method (PLD is free; the
+    draft model only when the step runs it), or not at all when k is 0."""
+    if k == 0:
+        row.drafts, row.method = [], None
+        return
+    best, chosen = 0.0, None
+    for option in options:
+        if option.uses_draft_model and not with_model:
+            continue
+        gain = expected_tokens(option.acceptance, min(k, option.cap))
+        if gain > best:
+            best, chosen = gain, option
+    if chosen is None:
+        row.drafts, row.method = [], None
+    elif chosen.uses_draft_model:
+        row.drafts, row.method, row.draft_length = [], DRAFT, min(k, chosen.cap)
+    else:
+        row.drafts = row.drafts[:k]
 
 
 def roll_back_draft(cache: list[RaggedKVCache], rows: list[BatchRow], index: int) -> None:

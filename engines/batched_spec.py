@@ -38,6 +38,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from engines.batch_costs import BatchCosts, BatchPlan, RowOption, choose_draft_length
 from engines.batched_drafting import (
     BatchRow,
+    choose_row_method,
     draft_row_cache,
     draft_with_model,
     roll_back_draft,
@@ -45,7 +46,6 @@ from engines.batched_drafting import (
 from engines.batched_pipeline import InFlight, pipelinable, queue_plain
 from engines.batched_verify import accept_rows, commit_row, process_rows
 from engines.drafters import DRAFT, PLD, DraftState, PromptLookupDrafter
-from engines.packed_tokens import PackedTokens
 from engines.prefill_groups import PrefillGroup, next_group
 from engines.ragged_cache import RaggedKVCache, feed_chunk, feed_rows, ragged_from_rows
 from engines.registry import ModelRegistry
@@ -67,7 +67,6 @@ class BatchedSpeculativeEngine:
     ) -> None:
         self.registry = registry
         self.model = registry.model_for(self.name)
-        self.packing = PackedTokens.install(self.model)  # verifies skip their padding
         self.draft_model = registry.draft.model if registry.draft else None
         self.draft_vocab = speculative.drafter.vocab_size if speculative.drafter else 0
         self.config: SpecConfig = speculative.config
@@ -300,6 +299,7 @@ class BatchedSpeculativeEngine:
 
     def _drafting_step(self, plan: BatchPlan, started: float, rows: int) -> list[StepOutput]:
         """A verify of the plan's drafts (or an unpipelined plain step), timed."""
+        k = plan.k
         if plan.with_model:
             drafting = time.perf_counter()
             steady = all(len(row.tokens) - len(row.draft_fed) <= 2 for row in self.rows)
@@ -314,7 +314,7 @@ class BatchedSpeculativeEngine:
             self.forward_seconds += seconds
             if steady:  # a long catch-up is not what each drafted token costs
                 self.costs.observe_draft(len(self.rows), seconds / forwards)
-        outputs = self._verify()
+        outputs = self._verify(k)
         committed = sum(len(output.token_ids) for output in outputs)
         self._open_outcome = (rows, plan, committed, started)
         if not self.rows:  # no next call is due soon: what was measured is all there is
@@ -419,15 +419,10 @@ class BatchedSpeculativeEngine:
         if k_max == 0:
             return self.costs.plain_plan(batch)
         plan = choose_draft_length(self.costs, options, k_max)
-        lengths = plan.lengths or (0,) * batch
-        uses_model = plan.uses_model or (False,) * batch
-        for row, length, model in zip(self.rows, lengths, uses_model, strict=True):
-            if length == 0:
-                row.drafts, row.method = [], None
-            elif model:
-                row.drafts, row.method, row.draft_length = [], DRAFT, length
-            else:
-                row.drafts = row.drafts[:length]
+        for row, row_options in zip(self.rows, options, strict=True):
+            choose_row_method(row, row_options, plan.k, plan.with_model)
+        if plan.with_model and not any(row.method == DRAFT for row in self.rows):
+            plan = self.costs.plan(batch, plan.k, False, plan.tokens)
         return plan
 
     def _row_cap(self, row: BatchRow, method: str) -> int:
@@ -440,22 +435,16 @@ class BatchedSpeculativeEngine:
 
     # ---- verification -----------------------------------------------------------------
 
-    def _verify(self) -> list[StepOutput]:
-        """One forward over every row's newest token and its drafts (the padding of
-        shorter rows packed away), each row's exact acceptance, per-row rollback."""
+    def _verify(self, k: int) -> list[StepOutput]:
         started = time.perf_counter()
-        fed_rows = [[row.tokens[-1], *row.drafts] for row in self.rows]
-        fed_lengths = [len(fed) for fed in fed_rows]
-        width = max(fed_lengths)
+        width = 1 + k
+        fed_rows = [[row.tokens[-1], *row.drafts[:k]] for row in self.rows]
         lengths = list(self.cache[0].lengths)
         inputs = mx.array([fed + [0] * (width - len(fed)) for fed in fed_rows])
-        with self.packing.feeding(fed_lengths, width):
-            logits = self.model(inputs, cache=self.cache)
+        logits = self.model(inputs, cache=self.cache)
         logprobs = process_rows(self.rows, logits, fed_rows)
         decisions = accept_rows(self.rows, logprobs, fed_rows)
-        real = sum(fed_lengths)
-        padded = len(fed_rows) * width - real
-        self.costs.observe_target(real, time.perf_counter() - started, padded)
+        self.costs.observe_target(len(self.rows) * width, time.perf_counter() - started)
         self.forward_seconds += time.perf_counter() - started
         kept = [
             length + 1 + accepted for length, (accepted, _) in zip(lengths, decisions, strict=True)

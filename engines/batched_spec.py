@@ -86,8 +86,6 @@ class BatchedSpeculativeEngine:
         self.settled: list[StepOutput] = []  # outputs of a settle outside `step`, not yet returned
         self._plain_ahead = False  # the plan after the newest commit was plain
         self._pipelined_at: float | None = None  # when the last call that queued a step ended
-        # a drafting step's outcome, closed when the next call starts (`_close_outcome`)
-        self._open_outcome: tuple[int, BatchPlan, int, float] | None = None
 
     # ---- membership -----------------------------------------------------------------
 
@@ -210,7 +208,6 @@ class BatchedSpeculativeEngine:
     # ---- the step ---------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        self._close_outcome()
         outputs, self.settled = self.settled, []
         self.forward_seconds = 0.0
         self.step_sizes = []
@@ -237,7 +234,6 @@ class BatchedSpeculativeEngine:
         """Commit a plain step still in flight, so every row holds all its committed
         tokens but the newest again (before a row leaves: a migration, a pause); returns
         its outputs and any an earlier settle kept."""
-        self._close_outcome()
         outputs, self.settled = self.settled, []
         return outputs + self._settle_in_flight()
 
@@ -316,21 +312,8 @@ class BatchedSpeculativeEngine:
                 self.costs.observe_draft(len(self.rows), seconds / forwards)
         outputs = self._verify(k)
         committed = sum(len(output.token_ids) for output in outputs)
-        self._open_outcome = (rows, plan, committed, started)
-        if not self.rows:  # no next call is due soon: what was measured is all there is
-            self._close_outcome()
+        self.costs.observe_outcome(rows, plan, committed, time.perf_counter() - started)
         return outputs
-
-    def _close_outcome(self) -> None:
-        """Record the open drafting step's outcome, timed from its start to the start of
-        the next call (or a settle): like a pipelined plain step's cadence, it includes
-        the caller's work on its outputs. Timed to its own end, a drafting step looked
-        faster than the plain steps it was compared with by that work, which at 8 rows
-        over HTTP was enough to keep losing steps on (0.94x of plain batching)."""
-        if self._open_outcome is not None:
-            rows, plan, committed, started = self._open_outcome
-            self._open_outcome = None
-            self.costs.observe_outcome(rows, plan, committed, time.perf_counter() - started)
 
     def _prefill_chunk(self) -> list[StepOutput]:
         """One chunk of every prompt in a group (`_next_group`; target and draft caches).
@@ -505,7 +488,6 @@ class BatchedSpeculativeEngine:
             self._drop(finished)
 
     def close(self) -> None:
-        self._open_outcome = None
         self.rows, self.cache, self.draft_cache, self.groups = [], [], None, []
         self.in_flight, self.settled = None, []
 

@@ -71,8 +71,7 @@ def accepted_lengths(prompt: list[int], output: list[int]) -> list[int]:
 
 def greedy_output(model, prompt: list[int], max_tokens: int, eos: set[int]) -> list[int]:
     tokens = []
-    steps = generate_step(mx.array(prompt), model)
-    for (token, _), _ in zip(steps, range(max_tokens), strict=False):
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
         tokens.append(int(token))
         if int(token) in eos:
             break

@@ -4,6 +4,7 @@ tandem bench spec MODEL ...     in-process speculative speed-up suite (bench/spe
 tandem bench single ...         one server process vs mlx-lm, single stream
 tandem bench grammar MODEL      per-token cost of --tool-call-grammar auto
 tandem bench ceiling MODEL      the most prompt lookup could gain in a batch (an oracle bound)
+tandem bench distributed MODEL  one model over mlx.launch ranks vs one process, and mlx_lm's
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def main(argv: list[str]) -> None:
         "plot": "bench.plot",
         "grammar": "bench.grammar_cost",
         "ceiling": "bench.ceiling",
+        "distributed": "bench.distributed",
     }
     if not argv or argv[0] not in commands:
         print(__doc__)

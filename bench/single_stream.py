@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -51,14 +52,21 @@ def start_server(model: str, port: int, extra: list[str] | tuple = ()) -> subpro
 
 
 def start_process(
-    cmd: list[str], port: int, env: dict[str, str] | None = None, log: Path | None = None
+    cmd: list[str],
+    port: int,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    own_group: bool = False,
 ) -> subprocess.Popen:
     """Start the server `cmd` (listening on 127.0.0.1:port) and wait until its
     `GET /health` answers 200. Its output goes to `log` (quoted when it fails to
-    start), or nowhere."""
+    start), or nowhere. `own_group`: in a process group of its own, which
+    `stop_server` signals whole (a launcher and the ranks it started)."""
     out = log.open("w") if log else subprocess.DEVNULL
     try:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=own_group
+        )
     finally:
         if log:
             out.close()
@@ -77,12 +85,21 @@ def start_process(
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
+    """SIGTERM (its whole group when it leads one), then SIGKILL after 60 s."""
+    group = os.getpgid(proc.pid) == proc.pid if proc.poll() is None else False
+    signal_it = (lambda sig: os.killpg(proc.pid, sig)) if group else proc.send_signal
+    signal_it(signal.SIGTERM)
     try:
         proc.wait(60)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        signal_it(signal.SIGKILL)
         proc.wait()
+    if group:  # the ranks may outlive the launcher by a moment
+        time.sleep(1)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def log_tail(log: Path | None, lines: int = 20) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 from engines.errors import DraftIncompatible
 from engines.gguf_import import import_gguf, is_gguf
+from engines.lockstep import LockstepModel, distributed_group, load_shard
 from engines.packaged_models import CATALOGUE, packaged_gguf
 
 log = logging.getLogger(__name__)
@@ -43,12 +44,22 @@ class LoadedModel:
         return int(size) if size else len(self.tokenizer)
 
 
-def load_model(path: str, gguf_dtype: str | None = None) -> LoadedModel:
+def load_model(
+    path: str, gguf_dtype: str | None = None, distributed: str | None = None
+) -> LoadedModel:
     """Load through `mlx_lm.load`, exactly as users of mlx-lm would, from what
-    `model_folder` makes of `path`."""
+    `model_folder` makes of `path`; with `distributed` ("tensor" or "pipeline"), this
+    rank's shard through mlx-lm's `sharded_load`, wrapped so the other ranks repeat
+    its forwards (`lockstep`)."""
     from mlx_lm import load
 
-    model, tokenizer, config = load(model_folder(path, gguf_dtype), return_config=True)
+    folder = model_folder(path, gguf_dtype)
+    if distributed:
+        group = distributed_group()
+        model, tokenizer, config = load_shard(folder, distributed, group)
+        model = LockstepModel(model, group)
+    else:
+        model, tokenizer, config = load(folder, return_config=True)
     return LoadedModel(path=path, model=model, tokenizer=tokenizer, config=config)
 
 
@@ -130,11 +141,23 @@ class ModelRegistry:
 
     @classmethod
     def load(
-        cls, target_path: str, draft_path: str | None = None, gguf_dtype: str | None = None
+        cls,
+        target_path: str,
+        draft_path: str | None = None,
+        gguf_dtype: str | None = None,
+        distributed: str | None = None,
     ) -> ModelRegistry:
-        target = load_model(target_path, gguf_dtype)
+        """With `distributed`, the target is sharded across the launched ranks; the
+        draft model is whole, and lives on rank 0 only."""
+        target = load_model(target_path, gguf_dtype, distributed)
         draft = load_model(draft_path, gguf_dtype) if draft_path else None
         return cls(target, draft)
+
+    @property
+    def lockstep(self) -> LockstepModel | None:
+        """The sharded target's command channel, when serving across ranks."""
+        model = self.target.model
+        return model if isinstance(model, LockstepModel) else None
 
     @property
     def tokenizer(self) -> Any:

@@ -20,6 +20,8 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+from engines.lockstep import CacheHandle
+
 
 class RollbackError(RuntimeError):
     """A cache could not remove as many positions as asked."""
@@ -47,5 +49,9 @@ def _offset(layer: Any) -> int:
 
 def supports_rollback(model: Any) -> bool:
     """True when every layer's cache is a plain `KVCache`, which trims any number of
-    positions exactly (and which the batched engine's ragged cache mirrors)."""
-    return all(type(layer) is KVCache for layer in make_prompt_cache(model))
+    positions exactly (and which the batched engine's ragged cache mirrors); a sharded
+    model's `CacheHandle` is one too."""
+    return all(
+        type(layer) is KVCache or isinstance(layer, CacheHandle)
+        for layer in make_prompt_cache(model)
+    )

@@ -48,7 +48,9 @@ def load_model(config: SchedulerConfig) -> Loaded:
     model; warm the models up so the batched engine starts without a first-use stall.
     Runs on the engine thread (MLX streams are thread-local)."""
     log.info("loading model %s", config.model)
-    registry = ModelRegistry.load(config.model, config.draft_model, config.gguf_dtype)
+    registry = ModelRegistry.load(
+        config.model, config.draft_model, config.gguf_dtype, config.distributed
+    )
     drafting = supports_rollback(registry.target.model) and (
         registry.draft is None or supports_rollback(registry.draft.model)
     )
@@ -71,7 +73,7 @@ def load_model(config: SchedulerConfig) -> Loaded:
     )
     registry.transfer(engine.name)
     log.info("speculation: %s", engine.describe())
-    if drafting:  # the batched engine starts lazily, warm already
+    if drafting and registry.lockstep is None:  # the batched engine starts lazily, warm
         for model in (registry.target.model, registry.draft and registry.draft.model):
             if model is not None:
                 warm_up(model)

@@ -54,6 +54,10 @@ class SchedulerState(str, enum.Enum):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, observer: SchedulerObserver | None = None) -> None:
+        if config.distributed and config.max_num_seqs != 1:
+            # Followers repeat the single-stream engine's forwards; the batched engines'
+            # ragged caches are not mirrored (engines/lockstep.py).
+            raise ValueError("a distributed scheduler decodes one request at a time")
         self.config = config
         self.observer: SchedulerObserver = observer or NullObserver()
         self.state = SchedulerState.LOADING
@@ -209,6 +213,7 @@ class Scheduler:
     def _run(self) -> None:
         try:
             self._serve()
+            self._stop_followers()
         finally:
             # Work queued with async_eval (a pipelined token of a cancelled request)
             # must finish, and this thread's MLX streams (and their worker threads) be
@@ -217,6 +222,16 @@ class Scheduler:
             # active exception").
             mx.synchronize()
             mx.clear_streams()
+
+    def _stop_followers(self) -> None:
+        """Across ranks, let the other ranks exit with this one."""
+        lockstep = self.registry.lockstep if self.registry is not None else None
+        if lockstep is None or self.state == SchedulerState.FAILED:
+            return
+        try:
+            lockstep.stop_followers()
+        except RuntimeError:  # a rank is already gone
+            log.warning("could not tell every rank to stop", exc_info=True)
 
     def _serve(self) -> None:
         """Load the model, then step until stopped; every exit path ends all requests."""
@@ -282,6 +297,12 @@ class Scheduler:
     @property
     def mode(self) -> Mode:
         return self._mode
+
+    @property
+    def ranks(self) -> int:
+        """Processes serving the model: more than 1 with --distributed."""
+        lockstep = self.registry.lockstep if self.registry is not None else None
+        return lockstep.ranks if lockstep is not None else 1
 
     @property
     def batched_engine(self) -> BatchedEngine | None:
@@ -617,6 +638,10 @@ class Scheduler:
         try:
             outputs = engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the requests in this step, keep serving
+            if self.registry.lockstep is not None:
+                # Across ranks a failed step leaves the followers' caches unknown (or a
+                # rank is gone): nothing more can be served exactly.
+                raise
             log.exception("engine step failed")
             for request_id in list(self._running):
                 engine.cancel(request_id)

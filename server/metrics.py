@@ -390,7 +390,13 @@ class _LiveGauges(Collector):
             labels=["model_name"],
         )
         supported.add_metric([m], 1.0 if scheduler.speculation_supported else 0.0)
-        yield from (running, waiting, mode, memory, blas, supported)
+        ranks = GaugeMetricFamily(
+            "tandem_ranks",
+            "Processes the model is sharded over (--distributed under mlx.launch); 1 = one.",
+            labels=["model_name"],
+        )
+        ranks.add_metric([m], scheduler.ranks)
+        yield from (running, waiting, mode, memory, blas, supported, ranks)
         yield from self._cost_gauges(m, scheduler.speculation_costs)
 
     @staticmethod

@@ -10,6 +10,11 @@ layers of hidden size 64, with random weights, saved as `config.json` +
 * `lfm2`: LFM2, whose short-convolution layers keep an `ArraysCache` state.
 * `qwen3_next`: a Qwen3-Next hybrid: gated-delta linear attention (`ArraysCache`)
   with one full-attention layer in four, mixture-of-experts MLPs.
+
+And one whose caches do roll back, for what needs another family:
+
+* `ministral3`: Ministral 3 with full attention only (plain `KVCache`), one of the
+  families mlx-lm can split into pipeline stages (`--distributed pipeline`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,12 @@ import shutil
 from pathlib import Path
 
 SLIDING_WINDOW = 16
-_MODEL_FILES = ("config.json", "model.safetensors", "tandem_demo.json")
+_MODEL_FILES = (
+    "config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "tandem_demo.json",
+)
 
 _COMMON = {
     "hidden_size": 64,
@@ -81,6 +91,19 @@ CONFIGS: dict[str, dict] = {
         "partial_rotary_factor": 0.25,
         "tie_word_embeddings": False,
     },
+    "ministral3": {
+        "model_type": "ministral3",
+        "num_hidden_layers": 4,
+        "intermediate_size": 128,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "llama_4_scaling_beta": 0.1,
+            "original_max_position_embeddings": 1024,
+        },
+    },
 }
 
 
@@ -125,5 +148,8 @@ def build_tiny_arch(
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights)
+    # mlx-lm's pipeline loader reads which file holds each layer from the index.
+    index = {"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir

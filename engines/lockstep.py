@@ -1,0 +1,259 @@
+"""Lockstep: one sharded model served by several MLX processes (`mlx.launch`).
+
+A tensor- or pipeline-sharded model runs collectives (all_sum, send/recv,
+all_gather) inside every forward, so every rank must run the same forwards, with
+the same input shapes, over caches that hold the same positions, in the same
+order. Rank 0 runs everything else (HTTP, scheduler, engines, drafters, sampling);
+the other ranks (`follow`) only repeat rank 0's target forwards on their shard.
+
+How rank 0 tells them:
+  * The target model is wrapped in `LockstepModel`. Before each forward it
+    broadcasts a command: a fixed 4-int header, then a payload with the cache
+    edits since the last forward, which cache the forward runs on, that cache's
+    length, and the input tokens. A broadcast is an `all_sum` to which only rank 0
+    contributes, on the same stream as the model's own collectives, so commands and
+    forwards are ordered alike on every rank, and a token that is still being
+    computed (a pipelined step) is broadcast without rank 0 waiting for it.
+  * Caches are named by their first layer, a `CacheHandle` (a plain `KVCache` with
+    an id). Followers keep one cache per handle id. Rollback needs no message:
+    trimming only removes the newest positions, so a follower's cache always holds
+    rank 0's positions plus perhaps some that rank 0 has since trimmed; before each
+    forward the follower trims its copy to the length rank 0 sent. Copies
+    (`copy.deepcopy`, as the prefix cache does) and frees (a handle collected) are
+    recorded as edits.
+  * Every rank evaluates the backbone's output (the hidden state after the last
+    collective) as soon as a forward is built, whatever the caller then evaluates:
+    a prefill that evaluates only the cache would otherwise skip the last layer's
+    collective on rank 0 while a follower waits in it.
+
+Invariant: the n-th target forward on every rank has the same input and runs on
+caches holding the same positions. The draft model and prompt lookup run on rank 0
+only; they never touch the sharded model.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+from collections import deque
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
+
+log = logging.getLogger(__name__)
+
+HEADER_SIZE = 4
+OP_FORWARD, OP_STOP = 1, 2
+EDIT_COPY, EDIT_FREE = 1, 2
+NO_CACHE = -1
+
+
+class LockstepError(RuntimeError):
+    """Ranks disagree about a cache: the lockstep invariant is broken."""
+
+
+class CacheHandle(KVCache):
+    """A target cache's first layer: a plain `KVCache` that names the cache to the
+    followers. Copies get a new name and tell the followers to copy theirs; a handle
+    that is collected tells them to drop theirs."""
+
+    def __init__(self, channel: _Channel, handle_id: int | None = None) -> None:
+        super().__init__()
+        self._channel = channel
+        self.handle_id = next(channel.ids) if handle_id is None else handle_id
+
+    def __deepcopy__(self, memo: dict) -> CacheHandle:
+        twin = CacheHandle(self._channel)
+        for name, value in self.__dict__.items():
+            if name not in ("_channel", "handle_id"):
+                setattr(twin, name, copy.deepcopy(value, memo))
+        self._channel.edits.append((EDIT_COPY, self.handle_id, twin.handle_id))
+        return twin
+
+    def __del__(self) -> None:
+        try:
+            self._channel.edits.append((EDIT_FREE, self.handle_id, 0))
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nobody to tell
+            pass
+
+
+class _Channel:
+    """Rank 0's side of the command stream: handle ids and edits not yet sent."""
+
+    def __init__(self, group: mx.distributed.Group) -> None:
+        self.group = group
+        self.ids = itertools.count()
+        # Appended from any thread (a handle may be collected anywhere); drained by the
+        # engine thread before each forward.
+        self.edits: deque[tuple[int, int, int]] = deque()
+
+    def broadcast(self, values: mx.array) -> None:
+        """Send `values` (int32) to every rank; runs in stream order, unwaited."""
+        mx.async_eval(mx.distributed.all_sum(values, group=self.group))
+
+    def take_edits(self) -> list[int]:
+        flat: list[int] = []
+        while self.edits:
+            flat.extend(self.edits.popleft())
+        return flat
+
+
+def _receive(size: int, group: mx.distributed.Group) -> list[int]:
+    received = mx.distributed.all_sum(mx.zeros((size,), dtype=mx.int32), group=group)
+    return received.tolist()
+
+
+class _EvaluatedBackbone:
+    """The model's backbone, whose output is scheduled for evaluation as soon as it is
+    built, so its collectives run on every rank whatever the caller evaluates."""
+
+    def __init__(self, backbone: Any) -> None:
+        self._backbone = backbone
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = self._backbone(*args, **kwargs)
+        mx.async_eval(hidden)
+        return hidden
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backbone, name)
+
+
+def prepare_for_lockstep(model: Any) -> None:
+    """Make a sharded model safe to run in lockstep, on every rank: its backbone
+    (mlx-lm's `model.model`) is wrapped in `_EvaluatedBackbone`, and a model whose
+    output head is itself sharded is refused (its collective would run only where the
+    logits are evaluated). The parameter tree keeps the original backbone: the
+    wrapper is set as a plain attribute, which attribute lookup finds first."""
+    backbone = getattr(model, "model", None)
+    if backbone is None:
+        raise LockstepError(f"{type(model).__name__} has no .model backbone to run in lockstep")
+    head = type(getattr(model, "lm_head", None)).__name__
+    if "Sharded" in head:
+        raise LockstepError(f"{type(model).__name__} shards its output head ({head})")
+    if not isinstance(backbone, _EvaluatedBackbone):
+        object.__setattr__(model, "model", _EvaluatedBackbone(backbone))
+
+
+class LockstepModel:
+    """Rank 0's target model: broadcasts each forward to the followers, then runs it."""
+
+    def __init__(self, model: Any, group: mx.distributed.Group) -> None:
+        prepare_for_lockstep(model)
+        self._model = model
+        self._channel = _Channel(group)
+        self.ranks = group.size()
+
+    def make_cache(self) -> list:
+        """The model's own cache list, its first layer replaced by a `CacheHandle`."""
+        layers = make_prompt_cache(self._model)
+        if not layers or any(type(layer) is not KVCache for layer in layers):
+            kinds = sorted({type(layer).__name__ for layer in layers})
+            raise LockstepError(f"lockstep serving needs plain KV caches, this model has {kinds}")
+        return [CacheHandle(self._channel), *layers[1:]]
+
+    def __call__(self, inputs: mx.array, cache: list | None = None, **kwargs: Any) -> Any:
+        if kwargs:
+            raise LockstepError(f"lockstep forwards take tokens and a cache only, not {kwargs}")
+        if inputs.ndim != 2:
+            raise LockstepError(f"lockstep forwards take [batch, tokens], got {inputs.shape}")
+        if cache is None:
+            handle_id, offset = NO_CACHE, 0
+        elif isinstance(cache[0], CacheHandle):
+            handle_id, offset = cache[0].handle_id, cache[0].offset
+        else:
+            raise LockstepError("a lockstep forward needs a cache made by make_cache()")
+        edits = self._channel.take_edits()
+        head = [len(edits) // 3, *edits, handle_id, offset, *inputs.shape]
+        payload = mx.concatenate(
+            [mx.array(head, dtype=mx.int32), inputs.reshape(-1).astype(mx.int32)]
+        )
+        self._channel.broadcast(mx.array([OP_FORWARD, payload.size, 0, 0], dtype=mx.int32))
+        self._channel.broadcast(payload)
+        return self._model(inputs, cache=cache)
+
+    def stop_followers(self) -> None:
+        """Tell every follower to return from `follow`; the last command sent."""
+        self._channel.broadcast(mx.array([OP_STOP, 0, 0, 0], dtype=mx.int32))
+        mx.synchronize()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def follow(model: Any, group: mx.distributed.Group) -> int:
+    """A follower rank's loop: repeat rank 0's forwards until it says stop. Returns
+    how many forwards ran. Raises if the ranks' caches disagree, or (from MLX) when a
+    peer is lost."""
+    caches: dict[int, list] = {}
+    forwards = 0
+    while True:
+        op, size, _, _ = _receive(HEADER_SIZE, group)
+        if op == OP_STOP:
+            log.info("rank %d: rank 0 stopped after %d forwards", group.rank(), forwards)
+            return forwards
+        if op != OP_FORWARD:
+            raise LockstepError(f"unknown lockstep command {op}")
+        payload = _receive(size, group)
+        position = _apply_edits(payload, caches)
+        handle_id, offset, batch, length = payload[position : position + 4]
+        tokens = mx.array(payload[position + 4 :], dtype=mx.int32).reshape(batch, length)
+        cache = None if handle_id == NO_CACHE else _cache_at(caches, handle_id, offset, model)
+        mx.eval(model.model(tokens, cache=cache))
+        forwards += 1
+
+
+def _apply_edits(payload: list[int], caches: dict[int, list]) -> int:
+    """Apply the copies and frees at the front of `payload`; returns where they end."""
+    count = payload[0]
+    for index in range(count):
+        kind, first, second = payload[1 + 3 * index : 4 + 3 * index]
+        if kind == EDIT_COPY and first in caches:
+            caches[second] = copy.deepcopy(caches[first])
+        elif kind == EDIT_FREE:
+            caches.pop(first, None)
+    return 1 + 3 * count
+
+
+def _cache_at(caches: dict[int, list], handle_id: int, offset: int, model: Any) -> list:
+    """This rank's copy of cache `handle_id`, trimmed to rank 0's `offset` positions."""
+    cache = caches.get(handle_id)
+    if cache is None:
+        cache = caches[handle_id] = make_prompt_cache(model)
+    excess = cache[0].offset - offset
+    if excess < 0:
+        raise LockstepError(
+            f"cache {handle_id} holds {cache[0].offset} positions here, rank 0 has {offset}"
+        )
+    if excess:
+        trim_prompt_cache(cache, excess)
+    return cache
+
+
+def load_shard(folder: str, mode: str, group: mx.distributed.Group) -> tuple[Any, Any, dict]:
+    """This rank's shard of the model in `folder`, through mlx-lm's `sharded_load`
+    (`mode` is "tensor" or "pipeline"; which model families support which is
+    mlx-lm's), made ready for lockstep. Every rank must call it: it ends in a
+    barrier."""
+    from mlx_lm.utils import sharded_load
+
+    if mode not in ("tensor", "pipeline"):
+        raise ValueError(f"--distributed must be tensor or pipeline, not {mode!r}")
+    groups = {"pipeline_group": group} if mode == "pipeline" else {"tensor_group": group}
+    model, tokenizer, config = sharded_load(folder, return_config=True, **groups)
+    prepare_for_lockstep(model)
+    return model, tokenizer, config
+
+
+def distributed_group() -> mx.distributed.Group:
+    """The group `mlx.launch` set up; refuses a run that was not launched with it."""
+    group = mx.distributed.init()
+    if group.size() < 2:
+        raise SystemExit(
+            "tandem serve --distributed: this process is alone (rank 0 of 1). Launch every "
+            "rank with MLX's launcher, e.g. `mlx.launch --backend ring --hosts "
+            "host1,host2 -- tandem serve MODEL --distributed tensor` (deploy/README.md)"
+        )
+    return group

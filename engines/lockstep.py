@@ -14,13 +14,17 @@ How rank 0 tells them:
     contributes, on the same stream as the model's own collectives, so commands and
     forwards are ordered alike on every rank, and a token that is still being
     computed (a pipelined step) is broadcast without rank 0 waiting for it.
-  * Caches are named by their first layer, a `CacheHandle` (a plain `KVCache` with
-    an id). Followers keep one cache per handle id. Rollback needs no message:
-    trimming only removes the newest positions, so a follower's cache always holds
-    rank 0's positions plus perhaps some that rank 0 has since trimmed; before each
-    forward the follower trims its copy to the length rank 0 sent. Copies
-    (`copy.deepcopy`, as the prefix cache does) and frees (a handle collected) are
-    recorded as edits.
+  * Caches are named by their first layer: a `CacheHandle` (a plain `KVCache` with
+    an id) for one sequence, a `RaggedHandle` (a `RaggedKVCache` with an id) for the
+    batched engine's rows. Followers keep one cache per id. What changes a cache's
+    rows is recorded as an edit on its first layer and replayed on the follower's
+    whole cache: copies (`copy.deepcopy`, as the prefix cache does), frees (a handle
+    collected), and the batched engine's row moves (rows gathered from sequences,
+    taken, filtered, appended, extracted back into a sequence).
+  * Rollback needs no message: it only removes the newest positions, so a
+    follower's cache always holds rank 0's positions plus perhaps some that rank 0
+    has since rolled back; each forward carries the length of every row of its
+    cache, and the follower cuts its copy to them first.
   * Every rank evaluates the backbone's output (the hidden state after the last
     collective) as soon as a forward is built, whatever the caller then evaluates:
     a prefill that evaluates only the cache would otherwise skip the last layer's
@@ -42,11 +46,14 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
+from engines.ragged_cache import RaggedKVCache, ragged_from_rows
+
 log = logging.getLogger(__name__)
 
 HEADER_SIZE = 4
 OP_FORWARD, OP_STOP = 1, 2
-EDIT_COPY, EDIT_FREE = 1, 2
+# Edits: [kind, count, *arguments]; see `_apply_edit` for each kind's arguments.
+EDIT_COPY, EDIT_FREE, EDIT_GATHER, EDIT_TAKE, EDIT_FILTER, EDIT_EXTEND, EDIT_EXTRACT = range(1, 8)
 NO_CACHE = -1
 
 
@@ -59,24 +66,74 @@ class CacheHandle(KVCache):
     followers. Copies get a new name and tell the followers to copy theirs; a handle
     that is collected tells them to drop theirs."""
 
-    def __init__(self, channel: _Channel, handle_id: int | None = None) -> None:
+    def __init__(self, channel: _Channel) -> None:
         super().__init__()
         self._channel = channel
-        self.handle_id = next(channel.ids) if handle_id is None else handle_id
+        self.handle_id = next(channel.ids)
 
     def __deepcopy__(self, memo: dict) -> CacheHandle:
         twin = CacheHandle(self._channel)
         for name, value in self.__dict__.items():
             if name not in ("_channel", "handle_id"):
                 setattr(twin, name, copy.deepcopy(value, memo))
-        self._channel.edits.append((EDIT_COPY, self.handle_id, twin.handle_id))
+        self._channel.record(EDIT_COPY, self.handle_id, twin.handle_id)
         return twin
 
+    def ragged_from(self, caches: list[KVCache]) -> RaggedHandle:
+        """The first layer of the batched cache gathered from `caches` (this one's
+        sequence and others'), named too."""
+        if not all(isinstance(c, CacheHandle) for c in caches):
+            raise LockstepError("a batch of sequences mixes named and unnamed caches")
+        gathered = RaggedKVCache.from_caches(caches)
+        ragged = RaggedHandle(self._channel, gathered.lengths, gathered.keys, gathered.values)
+        self._channel.record(EDIT_GATHER, ragged.handle_id, *(c.handle_id for c in caches))
+        return ragged
+
     def __del__(self) -> None:
-        try:
-            self._channel.edits.append((EDIT_FREE, self.handle_id, 0))
-        except Exception:  # noqa: BLE001 - interpreter shutdown: nobody to tell
-            pass
+        _tell_freed(self)
+
+
+class RaggedHandle(RaggedKVCache):
+    """A batched cache's first layer: a `RaggedKVCache` with an id, whose row moves
+    are recorded for the followers (rollback of rows needs no record: see above)."""
+
+    def __init__(self, channel: _Channel, lengths: list[int], keys=None, values=None) -> None:
+        super().__init__(lengths, keys, values)
+        self._channel = channel
+        self.handle_id = next(channel.ids)
+
+    def take(self, rows: list[int]) -> RaggedHandle:
+        taken = super().take(rows)
+        twin = RaggedHandle(self._channel, taken.lengths, taken.keys, taken.values)
+        self._channel.record(EDIT_TAKE, self.handle_id, twin.handle_id, *rows)
+        return twin
+
+    def filter(self, rows: list[int]) -> None:
+        super().filter(rows)
+        self._channel.record(EDIT_FILTER, self.handle_id, *rows)
+
+    def extend(self, other: RaggedKVCache) -> None:
+        if not isinstance(other, RaggedHandle):
+            raise LockstepError("a named batched cache can only grow by named rows")
+        super().extend(other)
+        self._channel.record(EDIT_EXTEND, self.handle_id, other.handle_id)
+
+    def extract(self, row: int) -> CacheHandle:
+        plain = super().extract(row)
+        handle = CacheHandle(self._channel)
+        handle.keys, handle.values, handle.offset = plain.keys, plain.values, plain.offset
+        self._channel.record(EDIT_EXTRACT, self.handle_id, row, handle.handle_id)
+        return handle
+
+    def __del__(self) -> None:
+        _tell_freed(self)
+
+
+def _tell_freed(handle: CacheHandle | RaggedHandle) -> None:
+    try:
+        handle._channel.record(EDIT_FREE, handle.handle_id)
+    except Exception:  # noqa: BLE001 - interpreter shutdown: nobody to tell
+        pass
 
 
 class _Channel:
@@ -87,17 +144,22 @@ class _Channel:
         self.ids = itertools.count()
         # Appended from any thread (a handle may be collected anywhere); drained by the
         # engine thread before each forward.
-        self.edits: deque[tuple[int, int, int]] = deque()
+        self.edits: deque[tuple[int, ...]] = deque()
+
+    def record(self, kind: int, *arguments: int) -> None:
+        self.edits.append((kind, len(arguments), *arguments))
 
     def broadcast(self, values: mx.array) -> None:
         """Send `values` (int32) to every rank; runs in stream order, unwaited."""
         mx.async_eval(mx.distributed.all_sum(values, group=self.group))
 
-    def take_edits(self) -> list[int]:
-        flat: list[int] = []
+    def take_edits(self) -> tuple[int, list[int]]:
+        """How many edits are pending, and all of them, flat."""
+        count, flat = 0, []
         while self.edits:
             flat.extend(self.edits.popleft())
-        return flat
+            count += 1
+        return count, flat
 
 
 def _receive(size: int, group: mx.distributed.Group) -> list[int]:
@@ -160,13 +222,15 @@ class LockstepModel:
         if inputs.ndim != 2:
             raise LockstepError(f"lockstep forwards take [batch, tokens], got {inputs.shape}")
         if cache is None:
-            handle_id, offset = NO_CACHE, 0
+            handle_id, lengths = NO_CACHE, []
         elif isinstance(cache[0], CacheHandle):
-            handle_id, offset = cache[0].handle_id, cache[0].offset
+            handle_id, lengths = cache[0].handle_id, [cache[0].offset]
+        elif isinstance(cache[0], RaggedHandle):
+            handle_id, lengths = cache[0].handle_id, cache[0].lengths
         else:
             raise LockstepError("a lockstep forward needs a cache made by make_cache()")
-        edits = self._channel.take_edits()
-        head = [len(edits) // 3, *edits, handle_id, offset, *inputs.shape]
+        count, edits = self._channel.take_edits()
+        head = [count, *edits, handle_id, len(lengths), *lengths, *inputs.shape]
         payload = mx.concatenate(
             [mx.array(head, dtype=mx.int32), inputs.reshape(-1).astype(mx.int32)]
         )
@@ -197,35 +261,63 @@ def follow(model: Any, group: mx.distributed.Group) -> int:
         if op != OP_FORWARD:
             raise LockstepError(f"unknown lockstep command {op}")
         payload = _receive(size, group)
-        position = _apply_edits(payload, caches)
-        handle_id, offset, batch, length = payload[position : position + 4]
-        tokens = mx.array(payload[position + 4 :], dtype=mx.int32).reshape(batch, length)
-        cache = None if handle_id == NO_CACHE else _cache_at(caches, handle_id, offset, model)
+        position, count = 1, payload[0]
+        for _ in range(count):
+            kind, arguments = payload[position], payload[position + 1]
+            _apply_edit(kind, payload[position + 2 : position + 2 + arguments], caches, model)
+            position += 2 + arguments
+        handle_id, rows = payload[position : position + 2]
+        lengths = payload[position + 2 : position + 2 + rows]
+        batch, length = payload[position + 2 + rows : position + 4 + rows]
+        tokens = mx.array(payload[position + 4 + rows :], dtype=mx.int32).reshape(batch, length)
+        cache = None if handle_id == NO_CACHE else _cut_to(caches, handle_id, lengths, model)
         mx.eval(model.model(tokens, cache=cache))
         forwards += 1
 
 
-def _apply_edits(payload: list[int], caches: dict[int, list]) -> int:
-    """Apply the copies and frees at the front of `payload`; returns where they end."""
-    count = payload[0]
-    for index in range(count):
-        kind, first, second = payload[1 + 3 * index : 4 + 3 * index]
-        if kind == EDIT_COPY and first in caches:
-            caches[second] = copy.deepcopy(caches[first])
-        elif kind == EDIT_FREE:
-            caches.pop(first, None)
-    return 1 + 3 * count
+def _apply_edit(kind: int, args: list[int], caches: dict[int, list], model: Any) -> None:
+    """Replay one of rank 0's cache edits on this rank's caches. A cache rank 0 made
+    but never ran a forward on is unknown here: it is empty, as it is there."""
+
+    def known(handle_id: int) -> list:
+        if handle_id not in caches:
+            caches[handle_id] = make_prompt_cache(model)
+        return caches[handle_id]
+
+    if kind == EDIT_COPY:  # source, copy
+        caches[args[1]] = copy.deepcopy(known(args[0]))
+    elif kind == EDIT_FREE:  # handle
+        caches.pop(args[0], None)
+    elif kind == EDIT_GATHER:  # batched cache, its rows' sequence caches...
+        caches[args[0]] = ragged_from_rows([known(source) for source in args[1:]])
+    elif kind == EDIT_TAKE:  # source, new, rows...
+        caches[args[1]] = [layer.take(args[2:]) for layer in caches[args[0]]]
+    elif kind == EDIT_FILTER:  # batched cache, rows kept...
+        for layer in caches[args[0]]:
+            layer.filter(args[1:])
+    elif kind == EDIT_EXTEND:  # batched cache, the one whose rows it appends
+        for layer, other in zip(caches[args[0]], caches[args[1]], strict=True):
+            layer.extend(other)
+    elif kind == EDIT_EXTRACT:  # batched cache, row, new sequence cache
+        caches[args[2]] = [layer.extract(args[1]) for layer in caches[args[0]]]
+    else:
+        raise LockstepError(f"unknown cache edit {kind}")
 
 
-def _cache_at(caches: dict[int, list], handle_id: int, offset: int, model: Any) -> list:
-    """This rank's copy of cache `handle_id`, trimmed to rank 0's `offset` positions."""
+def _cut_to(caches: dict[int, list], handle_id: int, lengths: list[int], model: Any) -> list:
+    """This rank's copy of cache `handle_id`, its rows cut to rank 0's `lengths`."""
     cache = caches.get(handle_id)
     if cache is None:
         cache = caches[handle_id] = make_prompt_cache(model)
-    excess = cache[0].offset - offset
+    if isinstance(cache[0], RaggedKVCache):
+        if list(cache[0].lengths) != lengths:
+            for layer in cache:
+                layer.set_lengths(lengths)  # raises if rank 0 holds more than this rank
+        return cache
+    excess = cache[0].offset - lengths[0]
     if excess < 0:
         raise LockstepError(
-            f"cache {handle_id} holds {cache[0].offset} positions here, rank 0 has {offset}"
+            f"cache {handle_id} holds {cache[0].offset} positions here, rank 0 has {lengths[0]}"
         )
     if excess:
         trim_prompt_cache(cache, excess)

@@ -201,9 +201,16 @@ def _pad_to(array: mx.array, capacity: int) -> mx.array:
 
 
 def ragged_from_rows(rows: list[list[KVCache]]) -> list[RaggedKVCache]:
-    """Per-layer ragged caches from each row's per-layer KVCaches."""
+    """Per-layer ragged caches from each row's per-layer KVCaches. A sharded model's
+    caches are named by their first layer (`lockstep.CacheHandle`), which then makes
+    the batched cache's first layer, named too."""
+    gather_first = getattr(rows[0][0], "ragged_from", RaggedKVCache.from_caches)
     return [
-        RaggedKVCache.from_caches([row[layer] for row in rows]) for layer in range(len(rows[0]))
+        gather_first([row[0] for row in rows]),
+        *(
+            RaggedKVCache.from_caches([row[layer] for row in rows])
+            for layer in range(1, len(rows[0]))
+        ),
     ]
 
 

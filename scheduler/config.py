@@ -16,7 +16,7 @@ class SchedulerConfig:
     draft_model: str | None = None
     gguf_dtype: str | None = None  # GGUF files import as this (None: float32 on CPU, else f16)
     # "tensor" or "pipeline": the target is sharded over the ranks `mlx.launch` started,
-    # which repeat this process's forwards (engines/lockstep.py); one request at a time.
+    # which repeat this process's forwards (engines/lockstep.py).
     distributed: str | None = None
     num_draft_tokens: int | None = None  # None: SpecConfig's defaults (see for_server)
     enable_pld: bool = True

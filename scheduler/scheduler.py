@@ -54,10 +54,6 @@ class SchedulerState(str, enum.Enum):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, observer: SchedulerObserver | None = None) -> None:
-        if config.distributed and config.max_num_seqs != 1:
-            # Followers repeat the single-stream engine's forwards; the batched engines'
-            # ragged caches are not mirrored (engines/lockstep.py).
-            raise ValueError("a distributed scheduler decodes one request at a time")
         self.config = config
         self.observer: SchedulerObserver = observer or NullObserver()
         self.state = SchedulerState.LOADING

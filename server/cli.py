@@ -55,8 +55,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["tensor", "pipeline"],
         help="shard the model over the ranks started by `mlx.launch` (tensor or pipeline "
         "parallel, as mlx-lm supports for the model family); rank 0 serves HTTP and drafts, "
-        "the others run their shard in lockstep; one request decodes at a time "
-        "(deploy/README.md)",
+        "the others run their shard of each forward in lockstep (deploy/README.md)",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

@@ -117,7 +117,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
             num_draft_tokens=args.num_draft_tokens,
             enable_pld=not args.no_pld,
             max_queue=args.max_queue,
-            max_num_seqs=1 if args.distributed else args.max_num_seqs,
+            max_num_seqs=args.max_num_seqs,
             max_per_key=args.max_per_key,
             max_unread_events=args.max_unread_events,
             unread_timeout=args.unread_timeout,
@@ -212,10 +212,7 @@ def serve(args: argparse.Namespace) -> None:
         if rank:  # rank 0 serves; the others only run their shard of its forwards
             run_follower(config.scheduler, rank, config.shutdown_timeout)
             return
-        log.info(
-            "distributed (%s parallel): rank 0 serves HTTP; one request decodes at a time",
-            config.scheduler.distributed,
-        )
+        log.info("distributed (%s parallel): rank 0 serves HTTP", config.scheduler.distributed)
     if config.demo:
         log.warning(
             "demo model: tiny random weights at %s; its output is gibberish", config.scheduler.model

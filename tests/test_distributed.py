@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -31,6 +32,8 @@ PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
     "Once upon a time there was a",
 ]
+# Served at once: rows join and leave the batch at different times.
+CONCURRENT = [(PROMPTS[0], 40), (PROMPTS[1], 24), (PROMPTS[2], 56), (PROMPTS[0] + " mat", 32)]
 
 
 class RankedServer(ServerProcess):
@@ -131,6 +134,9 @@ def test_sharded_greedy_output_equals_one_process_with_and_without_drafting(tiny
     try:
         single.wait_healthy()
         expected = [complete(single.url, p)["choices"][0]["text"] for p in PROMPTS]
+        expected_together = [
+            complete(single.url, p, max_tokens=n)["choices"][0]["text"] for p, n in CONCURRENT
+        ]
     finally:
         single.stop()
 
@@ -155,6 +161,32 @@ def test_sharded_greedy_output_equals_one_process_with_and_without_drafting(tiny
         assert "rank 1 of 2" in server.log()
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
         assert 'tandem_ranks{model_name="tiny"} 2.0' in metrics
+
+        # Concurrent requests: the batched engine (drafting per row, ragged caches that
+        # the follower mirrors), joins, leaves, and migration both ways.
+        def one(index: int) -> str:
+            time.sleep(0.15 * index)
+            prompt, max_tokens = CONCURRENT[index]
+            return complete(server.url, prompt, max_tokens=max_tokens)["choices"][0]["text"]
+
+        with ThreadPoolExecutor(len(CONCURRENT)) as pool:
+            together = list(pool.map(one, range(len(CONCURRENT))))
+        assert together == expected_together
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert switches(metrics, "speculative", "batched") >= 1
+        assert switches(metrics, "batched", "speculative") >= 1
+        spec_steps = [
+            line for line in metrics.splitlines() if "tandem_spec_batch_size_count" in line
+        ]
+        assert spec_steps and float(spec_steps[0].rsplit(" ", 1)[1]) > 0, "no batched drafts"
+
+
+def switches(metrics: str, source: str, target: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith("tandem_mode_switches_total{") and f'from="{source}"' in line:
+            if f'to="{target}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {source} -> {target} series in /metrics")
 
 
 def test_pipeline_stages_give_one_process_output(tiny_model_dir, tmp_path):

@@ -5,11 +5,11 @@ Each row's server starts in turn (they would share the CPU), serves the same gre
 requests one at a time, and stops:
 
   tandem              one process, plain decoding (--no-pld, no draft)
-  tandem xN           `mlx.launch` N ranks, --distributed tensor, plain decoding
+  tandem xN           N ranks (as `mlx.launch` starts them), --distributed tensor, plain
   tandem xN +spec     the same with prompt lookup (and --draft-model, if given)
   mlx_lm              mlx_lm.server, one process
-  mlx_lm xN           mlx_lm.server under `mlx.launch` (its distributed mode refuses
-                      draft models, so it has no speculative row)
+  mlx_lm xN           mlx_lm.server on N ranks the same way (its distributed mode
+                      refuses draft models, so it has no speculative row)
 
 Ranks run on this one machine over the ring backend on 127.0.0.1: they share its
 cores and memory, so this measures the lockstep's overhead and exactness, not a
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -58,10 +59,20 @@ def load_requests(dataset: str, count: int) -> list[list[dict]]:
     return messages[:count]
 
 
-def launcher(ranks: int, port: int) -> list[str]:
-    mlx_launch = str(Path(sys.executable).parent / "mlx.launch")
-    hosts = ["--backend", "ring", "-n", str(ranks), "--hosts", "127.0.0.1"]
-    return [mlx_launch, *hosts, "--starting-port", str(port), "--"]
+def local_ranks(ranks: int, cmd: list[str]) -> list[str]:
+    """`cmd` as `ranks` processes on this machine, wired as `mlx.launch --backend ring`
+    wires them (MLX_RANK, and MLX_HOSTFILE naming one 127.0.0.1 port per rank), in one
+    shell that runs rank 0 in its place. Not mlx.launch itself: its I/O loop (MLX
+    0.32) polls the ranks' stdin pipes without blocking and keeps more than a core
+    busy, which on this 2-core box would be measured as Tandem's cost."""
+    hosts = [[f"127.0.0.1:{free_port()}"] for _ in range(ranks)]
+    hostfile = Path(tempfile.mkstemp(prefix="tandem-ring-", suffix=".json")[1])
+    hostfile.write_text(json.dumps(hosts))
+    line = shlex.join(cmd)
+    script = "".join(
+        f"MLX_RANK={rank} MLX_HOSTFILE={hostfile} {line} & " for rank in range(1, ranks)
+    )
+    return ["bash", "-c", f"{script}MLX_RANK=0 MLX_HOSTFILE={hostfile} exec {line}"]
 
 
 @contextmanager
@@ -132,7 +143,7 @@ def main(argv: list[str]) -> None:
         port = free_port()
         full = [*cmd, "--port", str(port)]
         if distributed:
-            full = [*launcher(n, free_port()), *full]
+            full = local_ranks(n, full)
         with server(full, port, is_peer) as url:
             row = run_requests(
                 url, PEER_MODEL_ID if is_peer else "bench", requests, args.max_tokens

@@ -61,11 +61,17 @@ def start_process(
     """Start the server `cmd` (listening on 127.0.0.1:port) and wait until its
     `GET /health` answers 200. Its output goes to `log` (quoted when it fails to
     start), or nowhere. `own_group`: in a process group of its own, which
-    `stop_server` signals whole (a launcher and the ranks it started)."""
+    `stop_server` signals whole, with a stdin that stays open and empty: for
+    `mlx.launch`, which forwards its stdin to the ranks and spins on one at its end."""
     out = log.open("w") if log else subprocess.DEVNULL
     try:
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=own_group
+            cmd,
+            stdin=subprocess.PIPE if own_group else None,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=own_group,
         )
     finally:
         if log:

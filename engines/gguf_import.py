@@ -15,6 +15,7 @@ template. Anything else is refused with a message that names what is supported.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import re
@@ -67,8 +68,13 @@ def import_gguf(path: str | Path, cache_dir: Path | None = None, dtype: str | No
     out = root / f"{key}-v{FORMAT_VERSION}-{dtype}"
     if (out / "tandem_gguf.json").exists():
         return out
-    log.info("importing %s into %s (%s); once per file", source, out, dtype)
-    convert_gguf(source, out, dtype)
+    # Several processes may start on one file at once (the ranks of `mlx.launch` on one
+    # machine, replicas): one imports, the others wait for it and use its folder.
+    with (root / f"{out.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "tandem_gguf.json").exists():
+            log.info("importing %s into %s (%s); once per file", source, out, dtype)
+            convert_gguf(source, out, dtype)
     return out
 
 

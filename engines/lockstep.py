@@ -51,7 +51,7 @@ from engines.ragged_cache import RaggedKVCache, ragged_from_rows
 log = logging.getLogger(__name__)
 
 HEADER_SIZE = 4
-OP_FORWARD, OP_STOP = 1, 2
+OP_FORWARD, OP_STOP, OP_PING = 1, 2, 3
 # Edits: [kind, count, *arguments]; see `_apply_edit` for each kind's arguments.
 EDIT_COPY, EDIT_FREE, EDIT_GATHER, EDIT_TAKE, EDIT_FILTER, EDIT_EXTEND, EDIT_EXTRACT = range(1, 8)
 NO_CACHE = -1
@@ -238,6 +238,15 @@ class LockstepModel:
         self._channel.broadcast(payload)
         return self._model(inputs, cache=cache)
 
+    def check_peers(self) -> None:
+        """Wait for every rank to take a no-op command; raises (from MLX) if one is
+        gone. Runs between forwards, so it also waits for those in flight."""
+        mx.eval(
+            mx.distributed.all_sum(
+                mx.array([OP_PING, 0, 0, 0], dtype=mx.int32), group=self._channel.group
+            )
+        )
+
     def stop_followers(self) -> None:
         """Tell every follower to return from `follow`; the last command sent."""
         self._channel.broadcast(mx.array([OP_STOP, 0, 0, 0], dtype=mx.int32))
@@ -258,6 +267,8 @@ def follow(model: Any, group: mx.distributed.Group) -> int:
         if op == OP_STOP:
             log.info("rank %d: rank 0 stopped after %d forwards", group.rank(), forwards)
             return forwards
+        if op == OP_PING:
+            continue
         if op != OP_FORWARD:
             raise LockstepError(f"unknown lockstep command {op}")
         payload = _receive(size, group)

@@ -251,6 +251,6 @@ def warm_up(model) -> None:
     """Two small ragged forwards (a ragged prefill, then one token per row), so the
     first batched step after a mode switch does not pay MLX's first-use costs while
     a stream waits on it."""
-    cache = [RaggedKVCache([0, 0]) for _ in make_prompt_cache(model)]
+    cache = ragged_from_rows([make_prompt_cache(model), make_prompt_cache(model)])
     mx.eval(feed_rows(model, cache, [[1, 2, 3], [4]]))
     mx.eval(feed_rows(model, cache, [[5], [6]]))

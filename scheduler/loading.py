@@ -73,7 +73,7 @@ def load_model(config: SchedulerConfig) -> Loaded:
     )
     registry.transfer(engine.name)
     log.info("speculation: %s", engine.describe())
-    if drafting and registry.lockstep is None:  # the batched engine starts lazily, warm
+    if drafting:  # the batched engine starts lazily, warm already
         for model in (registry.target.model, registry.draft and registry.draft.model):
             if model is not None:
                 warm_up(model)

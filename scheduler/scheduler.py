@@ -44,6 +44,8 @@ from scheduler.tracking import Command, TrackedRequest, final_event, key_of, tok
 
 log = logging.getLogger(__name__)
 
+PEER_CHECK_S = 2.0  # across ranks: how often an idle server checks the others answer
+
 
 class SchedulerState(str, enum.Enum):
     LOADING = "loading"
@@ -91,6 +93,7 @@ class Scheduler:
         self.memory: dict[str, int] = {}
         self.measured_rates: dict = {}  # engine-thread snapshot of `throughput`
         self._memory_sampled = 0.0
+        self._peers_checked = 0.0
 
     # ---- asyncio side -------------------------------------------------------------
 
@@ -219,6 +222,18 @@ class Scheduler:
             mx.synchronize()
             mx.clear_streams()
 
+    def _check_peers(self) -> None:
+        """Across ranks, while idle: every PEER_CHECK_S make sure every rank still
+        answers; raises (and the loop fails the server) if one is gone, so /health
+        turns 503 before the next request finds out."""
+        lockstep = self.registry.lockstep
+        if lockstep is None or self._running:
+            return
+        now = time.monotonic()
+        if now - self._peers_checked >= PEER_CHECK_S:
+            self._peers_checked = now
+            lockstep.check_peers()
+
     def _stop_followers(self) -> None:
         """Across ranks, let the other ranks exit with this one."""
         lockstep = self.registry.lockstep if self.registry is not None else None
@@ -256,6 +271,7 @@ class Scheduler:
                 self._score_step()
                 self._flush()
                 self._sample_gauges()
+                self._check_peers()
         except Exception as exc:  # noqa: BLE001 - the loop itself broke: report, fail all
             log.exception("engine loop failed; the server must be restarted")
             self.error = f"engine failed: {exc}"
@@ -344,6 +360,9 @@ class Scheduler:
             while not self._inbox and not self._has_work() and not self._stopping:
                 if self._paused:  # look again soon: their clients may read or time out
                     self._wakeup.wait(0.05)
+                    break
+                if self.registry.lockstep is not None:  # idle: check the other ranks
+                    self._wakeup.wait(PEER_CHECK_S)
                     break
                 self._wakeup.wait()
             if self._stopping:
@@ -635,8 +654,8 @@ class Scheduler:
             outputs = engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the requests in this step, keep serving
             if self.registry.lockstep is not None:
-                # Across ranks a failed step leaves the followers' caches unknown (or a
-                # rank is gone): nothing more can be served exactly.
+                # Across ranks a failed step is most likely a lost rank, and any further
+                # collective on a broken ring may never return: fail the server.
                 raise
             log.exception("engine step failed")
             for request_id in list(self._running):

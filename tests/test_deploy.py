@@ -55,6 +55,7 @@ EXPORTED_METRICS = frozenset(
         "tandem_memory_bytes",
         "tandem_blas_info",
         "tandem_speculation_supported",
+        "tandem_ranks",
         "tandem_spec_verify_cost_ratio",
         "tandem_spec_draft_step_cost_ratio",
         "tandem_request_errors_total",
@@ -85,6 +86,7 @@ GAUGES = frozenset(
         "tandem_memory_bytes",
         "tandem_blas_info",
         "tandem_speculation_supported",
+        "tandem_ranks",
         "tandem_spec_verify_cost_ratio",
         "tandem_spec_draft_step_cost_ratio",
     }

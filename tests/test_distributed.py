@@ -77,6 +77,7 @@ def launched(model: Path, *extra: str, mode: str = "tensor") -> Iterator[RankedS
                 "--",
                 *serve_args(model, port, *extra, mode=mode),
             ],
+            stdin=subprocess.PIPE,  # open and empty: at EOF the launcher spins on it
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env_without("LD_PRELOAD", "TANDEM_BLAS_REEXEC"),
@@ -227,5 +228,20 @@ def test_a_rank_that_dies_fails_the_stream_and_health(tiny_model_dir, tmp_path):
         health = httpx.get(f"{server.url}/health", timeout=5)
         assert health.status_code == 503
         assert health.json()["status"] == "failed"
+        refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}, timeout=5)
+        assert refused.status_code == 503
+
+
+def test_a_rank_that_dies_while_idle_turns_health_to_503(tiny_model_dir, tmp_path):
+    """An idle rank 0 checks every 2 s that the other ranks answer, so a balancer
+    stops sending work before a request finds the rank gone."""
+    with ranks_by_hand(tiny_model_dir, tmp_path) as server:
+        assert complete(server.url, PROMPTS[2])["choices"][0]["text"]
+        os.killpg(server.procs[1].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+            assert time.monotonic() < deadline, "rank 0 never noticed"
+            time.sleep(0.2)
+        assert httpx.get(f"{server.url}/health", timeout=5).json()["status"] == "failed"
         refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}, timeout=5)
         assert refused.status_code == 503

@@ -52,11 +52,11 @@ class Row:
         return self.tokens / self.seconds
 
 
-def load_requests(dataset: str, count: int) -> list[list[dict]]:
-    """The first `count` entries of bench/data/DATASET.jsonl as chat messages."""
+def load_requests(dataset: str, count: int) -> list[list[dict] | str]:
+    """The first `count` entries of bench/data/DATASET.jsonl: chat messages, or a plain
+    prompt (sent as a completion, so models without a chat template run it too)."""
     entries = [json.loads(line) for line in (DATA / f"{dataset}.jsonl").read_text().splitlines()]
-    messages = [e.get("messages") or [{"role": "user", "content": e["prompt"]}] for e in entries]
-    return messages[:count]
+    return [e.get("messages") or e["prompt"] for e in entries][:count]
 
 
 def local_ranks(ranks: int, cmd: list[str]) -> list[str]:
@@ -88,16 +88,23 @@ def server(cmd: list[str], port: int, peer: bool) -> Iterator[str]:
         stop_server(proc)
 
 
-def run_requests(url: str, model: str, requests: list[list[dict]], max_tokens: int) -> Row:
+def run_requests(url: str, model: str, requests: list[list[dict] | str], max_tokens: int) -> Row:
     tokens, texts = 0, []
     started = time.perf_counter()
-    for messages in requests:
-        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=1800)
+    for request in requests:
+        body = {"model": model, "max_tokens": max_tokens, "temperature": 0}
+        if isinstance(request, str):
+            response = httpx.post(
+                f"{url}/v1/completions", json={**body, "prompt": request}, timeout=1800
+            )
+        else:
+            body["messages"] = request
+            response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=1800)
         response.raise_for_status()
         reply = response.json()
         tokens += reply["usage"]["completion_tokens"]
-        texts.append(reply["choices"][0]["message"]["content"])
+        choice = reply["choices"][0]
+        texts.append(choice["text"] if isinstance(request, str) else choice["message"]["content"])
     return Row("", "", tokens, time.perf_counter() - started, texts)
 
 

@@ -189,3 +189,25 @@ def test_a_model_that_cannot_load_exits_nonzero_with_the_reason(tmp_path, model)
     assert time.monotonic() - started < 30
     last_line = result.stderr.strip().splitlines()[-1]
     assert "model load failed" in last_line and str(path) in last_line, result.stderr
+
+
+def test_distributed_without_a_launcher_exits_with_how_to_launch(tiny_model_dir):
+    """`--distributed` in a process that mlx.launch did not start is alone (rank 0 of
+    1): it says how to launch instead of serving an unsharded model under that flag."""
+    result = subprocess.run(
+        [
+            TANDEM,
+            "serve",
+            str(tiny_model_dir),
+            "--distributed",
+            "tensor",
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env_without(*BLAS_PRELOAD, "MLX_RANK", "MLX_HOSTFILE"),
+    )
+    assert result.returncode == 1
+    assert "mlx.launch" in result.stderr.strip().splitlines()[-1], result.stderr

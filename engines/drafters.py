@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from engines.request import SamplingParams
-from engines.rollback import trim_exact
+from engines.rollback import CacheSnapshot, roll_back, take_snapshot, trim_exact
 from engines.sampling import RandomStream, filter_logprobs
 
 if TYPE_CHECKING:
@@ -112,6 +112,10 @@ class DraftState:
 
     cache: list | None = None
     fed: list[int] = field(default_factory=list)
+    # A cache that cannot trim (recurrent, windowed) rolls back to this: taken when it
+    # held exactly fed[:snapshot_length], before the last proposal's drafts were fed.
+    snapshot: CacheSnapshot | None = None
+    snapshot_length: int = 0
     caught_up: int = 0  # tokens the last proposal had to feed before drafting
     catch_up_seconds: float = 0.0  # what feeding them took, when more than two
 
@@ -187,8 +191,15 @@ class DraftModelDrafter:
             state.fed = []
         shared = shared_prefix(state.fed, context)
         if shared < len(state.fed):
-            trim_exact(state.cache, len(state.fed) - shared)
+            if can_trim_prompt_cache(state.cache):
+                trim_exact(state.cache, len(state.fed) - shared)
+            elif state.snapshot is not None and state.snapshot_length <= shared:
+                roll_back(state.cache, len(state.fed) - state.snapshot_length, state.snapshot)
+                shared = state.snapshot_length
+            else:  # nothing to roll back to: start over
+                state.cache, shared = make_prompt_cache(self.model), 0
             del state.fed[shared:]
+            state.snapshot = None
         pending = context[shared:]
         state.caught_up = len(pending)
         started = time.perf_counter()
@@ -196,6 +207,7 @@ class DraftModelDrafter:
             self._forward(state, pending[: self.prefill_step_size])
             pending = pending[self.prefill_step_size :]
         logits = self._forward(state, pending)
+        state.snapshot, state.snapshot_length = take_snapshot(state.cache), len(state.fed)
         if state.caught_up > 2:  # a catch-up after plain steps or a prompt: timed alone,
             mx.eval(logits)  # so what drafting steps cost can leave it out
         state.catch_up_seconds = time.perf_counter() - started if state.caught_up > 2 else 0.0

@@ -11,10 +11,13 @@ the registry decides at load whether a model's caches can roll back at all
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import (
     KVCache,
+    QuantizedKVCache,
     can_trim_prompt_cache,
     make_prompt_cache,
     trim_prompt_cache,
@@ -45,6 +48,71 @@ def trim_exact(cache: list, n: int) -> None:
 
 def _offset(layer: Any) -> int:
     return int(layer.offset)
+
+
+@dataclass
+class CacheSnapshot:
+    """Every layer's state before a forward, for caches that cannot trim: recurrent
+    state (`ArraysCache`) and a sliding window (`RotatingKVCache`) past its size.
+
+    Taking one costs nothing: MLX arrays are values, and a cache's in-place update
+    makes a new one, so the snapshot keeps the old ones by reference (a view of each,
+    so an update through the layer's own attribute cannot reach it)."""
+
+    layers: list[dict[str, Any]]
+
+
+def supports_snapshot(model: Any) -> bool:
+    """True when every layer of the model's cache keeps only arrays and plain values
+    (lists of arrays included), which `take_snapshot` can hold on to; a layer holding
+    other objects (mlx-lm's `CacheList` of caches) could change under it."""
+    return all(
+        _plain(value) for layer in make_prompt_cache(model) for value in vars(layer).values()
+    )
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(item) for item in value)
+    return value is None or isinstance(value, (mx.array, int, float, bool, str))
+
+
+def take_snapshot(cache: list) -> CacheSnapshot | None:
+    """A snapshot to roll back to, or None when trimming will always do (every layer
+    a KV cache; a sliding window that trims now may not after the next forward)."""
+    if all(isinstance(layer, (KVCache, QuantizedKVCache)) for layer in cache):
+        return None
+    return CacheSnapshot([{k: _detached(v) for k, v in vars(layer).items()} for layer in cache])
+
+
+def roll_back(
+    cache: list,
+    n: int,
+    snapshot: CacheSnapshot | None,
+    model: Any = None,
+    replay: list[int] | None = None,
+) -> None:
+    """Remove the newest `n` positions: by trimming (`trim_exact`), or, for a cache
+    that cannot trim, by restoring `snapshot` (taken before the forward that added
+    `replay` and the `n` positions after it) and feeding `replay` to `model` again."""
+    if n <= 0:
+        return
+    if snapshot is None or can_trim_prompt_cache(cache):  # a window not yet full trims
+        trim_exact(cache, n)
+        return
+    for layer, saved in zip(cache, snapshot.layers, strict=True):
+        layer.__dict__.update({k: _detached(v) for k, v in saved.items()})
+    if replay:
+        model(mx.array(replay)[None], cache=cache)
+        mx.eval([layer.state for layer in cache])
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, mx.array):
+        return value[...]
+    if isinstance(value, list):
+        return [_detached(item) for item in value]
+    return value
 
 
 def supports_rollback(model: Any) -> bool:

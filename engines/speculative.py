@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs, pad_vocab
 from engines.draft_confidence import ConfidenceCalibration, DraftStop
@@ -46,7 +46,7 @@ from engines.gates import (
 )
 from engines.logprobs import token_logprob, token_logprobs
 from engines.registry import ModelRegistry
-from engines.rollback import trim_exact
+from engines.rollback import roll_back, take_snapshot, trim_exact
 from engines.sampling import coupled_tokens, filter_logprobs, sample_token
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.telemetry import SpecStats
@@ -444,6 +444,7 @@ class SpeculativeEngine:
         params = seq.request.sampling
         k = len(draft.tokens)
         fed = [active.tokens[-1], *draft.tokens]
+        snapshot = take_snapshot(active.cache)  # None unless the cache cannot trim
         logits = self.model(mx.array(fed)[None], cache=active.cache)[0]
         logprobs = self._process_rows(active, logits, fed)
         if params.greedy or seq.rng.seeded:
@@ -458,7 +459,7 @@ class SpeculativeEngine:
             next_token = target[accepted]
         else:
             accepted, next_token = self._accept_sampled(active, logprobs, draft)
-        trim_exact(active.cache, k - accepted)
+        roll_back(active.cache, k - accepted, snapshot, self.model, fed[: 1 + accepted])
         active.cached += 1 + accepted
         if active.processors:
             active.history = mx.concat([active.history, mx.array(fed[: 1 + accepted])])
@@ -537,6 +538,8 @@ class SpeculativeEngine:
             return
         committed = len(active.tokens)
         if active.cached > committed:
+            if not can_trim_prompt_cache(active.cache):
+                return  # recurrent or windowed: it cannot be cut back to reuse
             trim_exact(active.cache, active.cached - committed)
             active.cached = committed
         self.released.append(

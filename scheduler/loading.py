@@ -14,7 +14,7 @@ from engines.constraints import GrammarCompiler
 from engines.gates import CostModel
 from engines.ragged_cache import warm_up
 from engines.registry import ModelRegistry
-from engines.rollback import supports_rollback
+from engines.rollback import supports_rollback, supports_snapshot
 from engines.speculative import SpecConfig, SpeculativeEngine
 from scheduler.config import SchedulerConfig
 
@@ -39,7 +39,9 @@ class ModelInfo:
 class Loaded:
     registry: ModelRegistry
     engine: SpeculativeEngine  # owns the model
-    speculation_supported: bool
+    speculation_supported: bool  # drafting runs (at least one request at a time)
+    # Caches trim (plain KV): batched speculation, pausing rows, migrating both ways.
+    rows_roll_back: bool
     info: ModelInfo
 
 
@@ -51,16 +53,22 @@ def load_model(config: SchedulerConfig) -> Loaded:
     registry = ModelRegistry.load(
         config.model, config.draft_model, config.gguf_dtype, config.distributed
     )
-    drafting = supports_rollback(registry.target.model) and (
-        registry.draft is None or supports_rollback(registry.draft.model)
-    )
+    models = [m for m in (registry.target.model, registry.draft and registry.draft.model) if m]
+    rows_roll_back = all(supports_rollback(model) for model in models)
+    drafting = all(supports_rollback(m) or supports_snapshot(m) for m in models)
     if not drafting:
         log.warning(
-            "speculation off: this model's KV caches cannot roll back rejected drafts "
-            "(recurrent or sliding-window layers); prompt lookup and any draft model are "
-            "not used, and every request is served by plain continuous batching"
+            "speculation off: this model's caches cannot roll back rejected drafts "
+            "(they hold other caches); prompt lookup and any draft model are not used, "
+            "and every request is served by plain continuous batching"
         )
         registry.draft = None  # never used: no request may draft on this model
+    elif not rows_roll_back:
+        log.info(
+            "recurrent or sliding-window caches: a rejected draft rolls back by restoring "
+            "the state before the verify and replaying the accepted tokens; drafting runs "
+            "while one request decodes, concurrent requests are batched plainly"
+        )
     engine = SpeculativeEngine(
         registry,
         SpecConfig.for_server(
@@ -73,7 +81,7 @@ def load_model(config: SchedulerConfig) -> Loaded:
     )
     registry.transfer(engine.name)
     log.info("speculation: %s", engine.describe())
-    if drafting:  # the batched engine starts lazily, warm already
+    if rows_roll_back:  # the batched speculative engine starts lazily, warm already
         for model in (registry.target.model, registry.draft and registry.draft.model):
             if model is not None:
                 warm_up(model)
@@ -85,4 +93,4 @@ def load_model(config: SchedulerConfig) -> Loaded:
         grammar=GrammarCompiler(registry.tokenizer),
     )
     info.grammar.warm_in_background()
-    return Loaded(registry, engine, drafting, info)
+    return Loaded(registry, engine, drafting, rows_roll_back, info)

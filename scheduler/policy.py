@@ -23,6 +23,9 @@ class Mode(str, enum.Enum):
 class ModePolicy:
     batch_threshold: int = 2
     return_steps: int = 4
+    # False where a batched row cannot leave its batch (caches that cannot trim): the
+    # speculative engine takes over again only when the batch has emptied.
+    migrate_back: bool = True
     _below: int = 0  # consecutive steps with one active request while batched
 
     def choose(self, current: Mode, active: int, idle: bool = False) -> Mode:
@@ -36,6 +39,8 @@ class ModePolicy:
         if active == 0 or idle:
             self._below = 0
             return Mode.SPECULATIVE
+        if not self.migrate_back:
+            return current
         if active > 1:  # the speculative engine could take only one of them
             self._below = 0
             return current

@@ -79,7 +79,8 @@ class Scheduler:
         self._scoring = ScoringQueue()  # running requests whose prompts are being scored
         self._spec: SpeculativeEngine | None = None
         self._batched: BatchedSpeculativeEngine | BatchedEngine | None = None
-        self.speculation_supported = True  # the model's caches roll back (decided at load)
+        self.speculation_supported = True  # drafting can run (decided at load)
+        self.rows_roll_back = True  # caches trim: batched speculation, pauses, migration
         self._mode = Mode.SPECULATIVE
         self._policy = ModePolicy(config.batch_threshold, config.batch_return_steps)
         self._prefix = (
@@ -300,9 +301,14 @@ class Scheduler:
         loaded = load_model(self.config)
         self.registry, self._spec = loaded.registry, loaded.engine
         self.speculation_supported = loaded.speculation_supported
+        self.rows_roll_back = loaded.rows_roll_back
         if not self.speculation_supported:  # every request is batched
             self._policy = ModePolicy(
                 batch_threshold=1, return_steps=self.config.batch_return_steps
+            )
+        elif not self.rows_roll_back:  # a batched row cannot leave: back only when idle
+            self._policy = ModePolicy(
+                self.config.batch_threshold, self.config.batch_return_steps, migrate_back=False
             )
         self.model_info = loaded.info
 
@@ -390,7 +396,7 @@ class Scheduler:
         engine with its KV cache, freeing the slot), resume them once read, and cancel
         those paused past `unread_timeout`. Only models whose caches roll back pause."""
         policy = self._backpressure
-        if not policy.enabled or not self.speculation_supported or self._spec is None:
+        if not policy.enabled or not self.rows_roll_back or self._spec is None:
             return
         now = time.monotonic()
         engine = self._engine()
@@ -637,7 +643,7 @@ class Scheduler:
         """Batched speculation when the caches roll back per row; otherwise mlx-lm's
         BatchGenerator, which batches any cache type but cannot verify drafts."""
         config = self.config
-        if self.speculation_supported:
+        if self.rows_roll_back:
             return BatchedSpeculativeEngine(
                 self.registry, self._spec, config.batch_prefill_step_size
             )

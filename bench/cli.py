@@ -5,6 +5,7 @@ tandem bench single ...         one server process vs mlx-lm, single stream
 tandem bench grammar MODEL      per-token cost of --tool-call-grammar auto
 tandem bench ceiling MODEL      the most prompt lookup could gain in a batch (an oracle bound)
 tandem bench distributed MODEL  one model over mlx.launch ranks vs one process, and mlx_lm's
+tandem bench rollback MODEL     verify and rollback cost vs a plain step (recurrent, windowed)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def main(argv: list[str]) -> None:
         "grammar": "bench.grammar_cost",
         "ceiling": "bench.ceiling",
         "distributed": "bench.distributed",
+        "rollback": "bench.rollback_cost",
     }
     if not argv or argv[0] not in commands:
         print(__doc__)

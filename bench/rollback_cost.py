@@ -1,0 +1,148 @@
+"""`tandem bench rollback MODEL`: what a verify and its rollback cost on this machine,
+relative to a plain decode step, for the model's own cache kinds.
+
+A verify feeds T tokens in one forward; after it, the rejected positions go. Plain KV
+caches trim them (free); recurrent (`ArraysCache`) and sliding-window
+(`RotatingKVCache`) caches cannot, so Tandem restores the state from before the verify
+and replays the accepted run, one more forward (`engines/rollback.py`). This prints,
+at a given context length, the median seconds of a plain step, of a T-token verify,
+and of the rollback after it when half the draft was accepted, each as a ratio to
+the plain step: the price drafting must beat on this model.
+
+MODEL is a path or hub id; `random:qwen3_next` / `random:lfm2` build a random model of
+that mlx-lm architecture at about 100M parameters offline (cost is shape, not weights).
+On a Mac, e.g. `tandem bench rollback mlx-community/Qwen3.5-4B-4bit`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+# Cost is shape, not weights: random ones, about 100M parameters of each architecture.
+RANDOM = {
+    "qwen3_next": {
+        "num_hidden_layers": 12,
+        "full_attention_interval": 4,
+        "intermediate_size": 2048,
+        "head_dim": 64,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "linear_num_value_heads": 16,
+        "linear_num_key_heads": 8,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 1024,
+        "moe_intermediate_size": 512,
+        "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "tie_word_embeddings": False,
+    },
+    "lfm2": {
+        "num_hidden_layers": 12,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 1024,
+        "block_ff_dim": 4096,
+        "block_multiple_of": 256,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "layer_types": ["conv", "conv", "full_attention"] * 4,
+        "rope_theta": 1000000.0,
+    },
+}
+
+
+def random_model(arch: str):
+    import importlib
+
+    config = {
+        "model_type": arch,
+        "hidden_size": 1024,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        **RANDOM[arch],
+    }
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    return model
+
+
+def median_seconds(run, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main(argv: list[str]) -> None:
+    from engines.blas import describe_blas
+    from engines.rollback import roll_back, take_snapshot
+
+    parser = argparse.ArgumentParser(prog="tandem bench rollback", description=__doc__)
+    parser.add_argument("model", help="path or hub id, or random:qwen3_next / random:lfm2")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--tokens", default="2,4,8", help="verify widths T")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+
+    if args.model.startswith("random:"):
+        model = random_model(args.model.split(":", 1)[1])
+    else:
+        from mlx_lm import load
+
+        model, _ = load(args.model)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((1, args.context), dtype=mx.int32), cache=cache))
+    kinds = sorted({type(layer).__name__ for layer in cache})
+
+    base_state = take_snapshot(cache)  # the context alone (None: the caches trim)
+
+    def feed(count: int):
+        return model(mx.ones((1, count), dtype=mx.int32), cache=cache)
+
+    def verify_and_roll_back(count: int, keep: int) -> tuple[float, float]:
+        """Seconds of a `count`-token verify, and of rolling back all but its first
+        `keep` positions (the last token and the accepted drafts); then back to the
+        bare context for the next repeat."""
+        snapshot = take_snapshot(cache)
+        started = time.perf_counter()
+        mx.eval(feed(count))
+        verified = time.perf_counter()
+        roll_back(cache, count - keep, snapshot, model, [1] * keep)
+        done = time.perf_counter()
+        roll_back(cache, keep, base_state)
+        return verified - started, done - verified
+
+    def medians(count: int, keep: int) -> tuple[float, float]:
+        verify_and_roll_back(count, keep)  # warm-up
+        runs = [verify_and_roll_back(count, keep) for _ in range(args.repeats)]
+        return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+    base, _ = medians(1, 1)
+    print(
+        f"model {args.model}: caches {', '.join(kinds)}; context {args.context}; "
+        f"{mx.default_device()}, BLAS {describe_blas()}; median of {args.repeats}"
+    )
+    print(f"plain step {base * 1000:.1f} ms")
+    print("| T | verify / plain | rollback after it, T/2 tokens kept / plain |")
+    print("|---|---|---|")
+    for count in (int(t) for t in args.tokens.split(",")):
+        verify, back = medians(count, count // 2)
+        print(f"| {count} | {verify / base:.2f} | {back / base:.2f} |")

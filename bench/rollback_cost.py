@@ -82,15 +82,6 @@ def random_model(arch: str):
     return model
 
 
-def median_seconds(run, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def main(argv: list[str]) -> None:
     from engines.blas import describe_blas
     from engines.rollback import roll_back, take_snapshot

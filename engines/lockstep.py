@@ -38,6 +38,7 @@ only; they never touch the sharded model.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import logging
 from collections import deque
@@ -47,11 +48,12 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from engines.ragged_cache import RaggedKVCache, ragged_from_rows
+from engines.rank_watch import RankWatch
 
 log = logging.getLogger(__name__)
 
 HEADER_SIZE = 4
-OP_FORWARD, OP_STOP, OP_PING = 1, 2, 3
+OP_FORWARD, OP_STOP = 1, 2
 # Edits: [kind, count, *arguments]; see `_apply_edit` for each kind's arguments.
 EDIT_COPY, EDIT_FREE, EDIT_GATHER, EDIT_TAKE, EDIT_FILTER, EDIT_EXTEND, EDIT_EXTRACT = range(1, 8)
 NO_CACHE = -1
@@ -207,6 +209,7 @@ class LockstepModel:
         self._model = model
         self._channel = _Channel(group)
         self.ranks = group.size()
+        self.watch = RankWatch(group)  # every follower joins it right after loading
 
     def make_cache(self) -> list:
         """The model's own cache list, its first layer replaced by a `CacheHandle`."""
@@ -238,15 +241,6 @@ class LockstepModel:
         self._channel.broadcast(payload)
         return self._model(inputs, cache=cache)
 
-    def check_peers(self) -> None:
-        """Wait for every rank to take a no-op command; raises (from MLX) if one is
-        gone. Runs between forwards, so it also waits for those in flight."""
-        mx.eval(
-            mx.distributed.all_sum(
-                mx.array([OP_PING, 0, 0, 0], dtype=mx.int32), group=self._channel.group
-            )
-        )
-
     def stop_followers(self) -> None:
         """Tell every follower to return from `follow`; the last command sent."""
         self._channel.broadcast(mx.array([OP_STOP, 0, 0, 0], dtype=mx.int32))
@@ -267,8 +261,6 @@ def follow(model: Any, group: mx.distributed.Group) -> int:
         if op == OP_STOP:
             log.info("rank %d: rank 0 stopped after %d forwards", group.rank(), forwards)
             return forwards
-        if op == OP_PING:
-            continue
         if op != OP_FORWARD:
             raise LockstepError(f"unknown lockstep command {op}")
         payload = _receive(size, group)
@@ -287,14 +279,8 @@ def follow(model: Any, group: mx.distributed.Group) -> int:
 
 
 def _apply_edit(kind: int, args: list[int], caches: dict[int, list], model: Any) -> None:
-    """Replay one of rank 0's cache edits on this rank's caches. A cache rank 0 made
-    but never ran a forward on is unknown here: it is empty, as it is there."""
-
-    def known(handle_id: int) -> list:
-        if handle_id not in caches:
-            caches[handle_id] = make_prompt_cache(model)
-        return caches[handle_id]
-
+    """Replay one of rank 0's cache edits on this rank's caches."""
+    known = functools.partial(_cache, caches, model=model)
     if kind == EDIT_COPY:  # source, copy
         caches[args[1]] = copy.deepcopy(known(args[0]))
     elif kind == EDIT_FREE:  # handle
@@ -315,11 +301,17 @@ def _apply_edit(kind: int, args: list[int], caches: dict[int, list], model: Any)
         raise LockstepError(f"unknown cache edit {kind}")
 
 
+def _cache(caches: dict[int, list], handle_id: int, model: Any) -> list:
+    """This rank's copy of cache `handle_id`. One rank 0 made but never ran a forward
+    on (nor edited) is unknown here: it is empty, as it is there."""
+    if handle_id not in caches:
+        caches[handle_id] = make_prompt_cache(model)
+    return caches[handle_id]
+
+
 def _cut_to(caches: dict[int, list], handle_id: int, lengths: list[int], model: Any) -> list:
     """This rank's copy of cache `handle_id`, its rows cut to rank 0's `lengths`."""
-    cache = caches.get(handle_id)
-    if cache is None:
-        cache = caches[handle_id] = make_prompt_cache(model)
+    cache = _cache(caches, handle_id, model)
     if isinstance(cache[0], RaggedKVCache):
         if list(cache[0].lengths) != lengths:
             for layer in cache:

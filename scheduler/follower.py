@@ -16,6 +16,7 @@ import signal
 import threading
 
 from engines.lockstep import distributed_group, follow, load_shard
+from engines.rank_watch import join_watch
 from engines.registry import model_folder
 from scheduler.config import SchedulerConfig
 
@@ -51,9 +52,12 @@ def run_follower(config: SchedulerConfig, rank: int, shutdown_timeout: float) ->
     model, _, _ = load_shard(
         model_folder(config.model, config.gguf_dtype), config.distributed, group
     )
+    watched = join_watch(group)  # closes with this process: rank 0 then knows at once
     log.info("rank %d: following rank 0", rank)
     try:
         forwards = follow(model, group)
     except RuntimeError as exc:  # MLX's ring: rank 0 (or a neighbour) is gone
         raise SystemExit(f"tandem serve: rank {rank}: {exc}") from exc
     log.info("rank %d: stopped after %d forwards", rank, forwards)
+    if watched is not None:
+        watched.close()

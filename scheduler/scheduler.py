@@ -44,7 +44,7 @@ from scheduler.tracking import Command, TrackedRequest, final_event, key_of, tok
 
 log = logging.getLogger(__name__)
 
-PEER_CHECK_S = 2.0  # across ranks: how often an idle server checks the others answer
+LOST_RANK_GRACE_S = 2.0  # across ranks: time the engine thread gets to fail on its own
 
 
 class SchedulerState(str, enum.Enum):
@@ -94,7 +94,6 @@ class Scheduler:
         self.memory: dict[str, int] = {}
         self.measured_rates: dict = {}  # engine-thread snapshot of `throughput`
         self._memory_sampled = 0.0
-        self._peers_checked = 0.0
 
     # ---- asyncio side -------------------------------------------------------------
 
@@ -223,17 +222,27 @@ class Scheduler:
             mx.synchronize()
             mx.clear_streams()
 
-    def _check_peers(self) -> None:
-        """Across ranks, while idle: every PEER_CHECK_S make sure every rank still
-        answers; raises (and the loop fails the server) if one is gone, so /health
-        turns 503 before the next request finds out."""
-        lockstep = self.registry.lockstep
-        if lockstep is None or self._running:
+    def _rank_lost(self, reason: str) -> None:
+        """Across ranks, from the rank watch's thread: a rank's process has ended. The
+        engine thread usually fails on its own at its next forward; if it has not
+        within LOST_RANK_GRACE_S (it was idle, or MLX left it waiting on the broken
+        ring), every request ends here with an error event, /health turns 503, and
+        the engine loop is told to stop (a waiting one never returns: it is a daemon)."""
+        deadline = time.monotonic() + LOST_RANK_GRACE_S
+        while self.state == SchedulerState.READY and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.state != SchedulerState.READY or self._stopping:  # failed, or shutting down
             return
-        now = time.monotonic()
-        if now - self._peers_checked >= PEER_CHECK_S:
-            self._peers_checked = now
-            lockstep.check_peers()
+        log.error("%s; the server must be restarted", reason)
+        self.error = f"engine failed: {reason}"
+        self.state = SchedulerState.FAILED
+        with self._wakeup:
+            self._stopping = True
+            submitted = [c.tracked for c in self._inbox if c.kind == "submit"]
+            self._inbox.clear()
+            self._wakeup.notify()
+        self._end_all(self.error, submitted)
+        self._flush()
 
     def _stop_followers(self) -> None:
         """Across ranks, let the other ranks exit with this one."""
@@ -272,7 +281,6 @@ class Scheduler:
                 self._score_step()
                 self._flush()
                 self._sample_gauges()
-                self._check_peers()
         except Exception as exc:  # noqa: BLE001 - the loop itself broke: report, fail all
             log.exception("engine loop failed; the server must be restarted")
             self.error = f"engine failed: {exc}"
@@ -302,6 +310,8 @@ class Scheduler:
         self.registry, self._spec = loaded.registry, loaded.engine
         self.speculation_supported = loaded.speculation_supported
         self.rows_roll_back = loaded.rows_roll_back
+        if self.registry.lockstep is not None:
+            self.registry.lockstep.watch.start(self._rank_lost)
         if not self.speculation_supported:  # every request is batched
             self._policy = ModePolicy(
                 batch_threshold=1, return_steps=self.config.batch_return_steps
@@ -366,9 +376,6 @@ class Scheduler:
             while not self._inbox and not self._has_work() and not self._stopping:
                 if self._paused:  # look again soon: their clients may read or time out
                     self._wakeup.wait(0.05)
-                    break
-                if self.registry.lockstep is not None:  # idle: check the other ranks
-                    self._wakeup.wait(PEER_CHECK_S)
                     break
                 self._wakeup.wait()
             if self._stopping:
@@ -741,14 +748,20 @@ class Scheduler:
         self.observer.on_finished(record)
         self._deliver(tracked, event)
 
-    def _abort_all(self, reason: str) -> None:
-        """End every request with an error event first, then free engine slots best
-        effort: the engine may be the thing that broke, and no client may hang on it."""
+    def _end_all(self, reason: str, also: list[TrackedRequest] = ()) -> dict:
+        """End every request (and `also`) with an error event, touching no engine;
+        returns the running ones."""
         running, self._running = self._running, {}
         waiting, self._waiting = self._waiting, FairQueue(key_of)
         paused, self._paused = self._paused, {}
-        for tracked in [*running.values(), *waiting, *paused.values()]:
+        for tracked in [*running.values(), *waiting, *paused.values(), *also]:
             self._finish(tracked, FinishReason.CANCELLED, error=reason, error_kind="aborted")
+        return running
+
+    def _abort_all(self, reason: str) -> None:
+        """End every request with an error event first, then free engine slots best
+        effort: the engine may be the thing that broke, and no client may hang on it."""
+        running = self._end_all(reason)
         engine = self._engine() if self._spec is not None else None
         for request_id in running if engine is not None else ():
             try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,8 +33,9 @@ PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
     "Once upon a time there was a",
 ]
-# Served at once: rows join and leave the batch at different times.
-CONCURRENT = [(PROMPTS[0], 40), (PROMPTS[1], 24), (PROMPTS[2], 56), (PROMPTS[0] + " mat", 32)]
+# Served at once: rows join and leave the batch at different times. Long enough that
+# they overlap however fast this machine decodes (they arrive within 0.15 s).
+CONCURRENT = [(PROMPTS[0], 200), (PROMPTS[1], 120), (PROMPTS[2], 240), (PROMPTS[0] + " mat", 160)]
 
 
 class RankedServer(ServerProcess):
@@ -62,10 +64,24 @@ def serve_args(model: Path, port: int, *extra: str, mode: str = "tensor") -> lis
     return [TANDEM, "serve", str(model), "--distributed", mode, "--port", str(port), *extra]
 
 
+def free_consecutive_ports(count: int) -> int:
+    """The first of `count` free ports in a row: mlx.launch gives rank r the port
+    --starting-port + r, and a taken one fails the launch ("Couldn't bind socket")."""
+    while True:
+        first = free_port()
+        try:
+            for port in range(first + 1, first + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+
+
 @contextmanager
 def launched(model: Path, *extra: str, mode: str = "tensor") -> Iterator[RankedServer]:
     """Two ranks through `mlx.launch --backend ring` on 127.0.0.1."""
-    port, ring_port = free_port(), free_port()
+    port, ring_port = free_port(), free_consecutive_ports(2)
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-dist-{port}.log"
     launcher = [MLX_LAUNCH, "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1"]
     with log_path.open("w") as log:
@@ -166,7 +182,7 @@ def test_sharded_greedy_output_equals_one_process_with_and_without_drafting(tiny
         # Concurrent requests: the batched engine (drafting per row, ragged caches that
         # the follower mirrors), joins, leaves, and migration both ways.
         def one(index: int) -> str:
-            time.sleep(0.15 * index)
+            time.sleep(0.05 * index)
             prompt, max_tokens = CONCURRENT[index]
             return complete(server.url, prompt, max_tokens=max_tokens)["choices"][0]["text"]
 
@@ -233,8 +249,9 @@ def test_a_rank_that_dies_fails_the_stream_and_health(tiny_model_dir, tmp_path):
 
 
 def test_a_rank_that_dies_while_idle_turns_health_to_503(tiny_model_dir, tmp_path):
-    """An idle rank 0 checks every 2 s that the other ranks answer, so a balancer
-    stops sending work before a request finds the rank gone."""
+    """Every other rank holds a connection to rank 0 (engines/rank_watch.py) that its
+    process's end closes: an idle rank 0 fails at once, so a balancer stops sending
+    work before a request finds the rank gone."""
     with ranks_by_hand(tiny_model_dir, tmp_path) as server:
         assert complete(server.url, PROMPTS[2])["choices"][0]["text"]
         os.killpg(server.procs[1].pid, signal.SIGKILL)

@@ -8,10 +8,12 @@ follower also holds one plain TCP connection to rank 0, on which nothing is ever
 sent: the kernel closes it the moment the follower's process ends, and a watcher
 thread on rank 0 sees that, independently of MLX.
 
-Rank 0 listens on an ephemeral port and tells the followers which one in a one-time
-broadcast after loading (0: no watch). A follower connects to rank 0's address as
-the launcher gave it (the ring backend's hostfile, or JACCL's coordinator); where it
-cannot tell that address, it says so and runs unwatched.
+Rank 0 listens on an ephemeral port and tells the followers which one, with a
+random token, in a one-time broadcast after loading. A follower connects to rank 0's
+address as the launcher gave it (the ring backend's hostfile, or JACCL's
+coordinator) and sends the token; a connection without it is dropped, so another
+host on the LAN cannot take a follower's place and then fail the server by leaving.
+Where a follower cannot tell rank 0's address, it says so and runs unwatched.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import select
 import socket
 import threading
@@ -29,11 +32,13 @@ import mlx.core as mx
 log = logging.getLogger(__name__)
 
 ACCEPT_TIMEOUT_S = 60.0
+TOKEN_TIMEOUT_S = 5.0
 
 
-def _broadcast_port(port: int, group: mx.distributed.Group) -> int:
-    summed = mx.distributed.all_sum(mx.array([port], dtype=mx.int32), group=group)
-    return int(summed.item())
+def _broadcast(port: int, token: int, group: mx.distributed.Group) -> tuple[int, int]:
+    summed = mx.distributed.all_sum(mx.array([port, token], dtype=mx.int32), group=group)
+    port, token = summed.tolist()
+    return port, token
 
 
 def rank0_host() -> str | None:
@@ -56,7 +61,8 @@ class RankWatch:
     def __init__(self, group: mx.distributed.Group) -> None:
         self._listener = socket.create_server(("", 0))
         self._followers = group.size() - 1
-        _broadcast_port(self._listener.getsockname()[1], group)
+        self._token = secrets.randbits(31)
+        _broadcast(self._listener.getsockname()[1], self._token, group)
 
     def start(self, on_lost: Callable[[str], None]) -> None:
         threading.Thread(
@@ -67,9 +73,12 @@ class RankWatch:
         self._listener.settimeout(ACCEPT_TIMEOUT_S)
         connections = []
         try:
-            for _ in range(self._followers):
+            while len(connections) < self._followers:
                 connection, _ = self._listener.accept()
-                connections.append(connection)
+                if self._has_token(connection):
+                    connections.append(connection)
+                else:
+                    connection.close()
         except OSError:
             log.warning(
                 "not every rank connected to rank 0's watch: a lost rank is then "
@@ -77,23 +86,39 @@ class RankWatch:
             )
         finally:
             self._listener.close()
+        for connection in connections:
+            connection.settimeout(None)
         while connections:
             readable, _, _ = select.select(connections, [], [])
             for connection in readable:
-                if not connection.recv(1):  # closed: that rank's process has ended
+                try:
+                    data = connection.recv(1)
+                except OSError:  # reset: gone all the same
+                    data = b""
+                if not data:  # closed: that rank's process has ended
                     on_lost("a rank was lost (its process ended)")
                     return
 
+    def _has_token(self, connection: socket.socket) -> bool:
+        connection.settimeout(TOKEN_TIMEOUT_S)
+        try:
+            return connection.recv(4, socket.MSG_WAITALL) == self._token.to_bytes(4, "big")
+        except OSError:
+            return False
+
 
 def join_watch(group: mx.distributed.Group) -> socket.socket | None:
-    """A follower's side: connect to rank 0's watch; keep the socket open for life."""
-    port = _broadcast_port(0, group)
+    """A follower's side: connect to rank 0's watch with its token; keep the socket
+    open for life."""
+    port, token = _broadcast(0, 0, group)
     host = rank0_host()
-    if not port or host is None:
+    if host is None:
         log.warning("rank %d: rank 0's address is unknown; running unwatched", group.rank())
         return None
     try:
-        return socket.create_connection((host, port), timeout=ACCEPT_TIMEOUT_S)
+        connection = socket.create_connection((host, port), timeout=ACCEPT_TIMEOUT_S)
+        connection.sendall(token.to_bytes(4, "big"))
+        return connection
     except OSError as exc:
         log.warning("rank %d: could not join rank 0's watch (%s)", group.rank(), exc)
         return None

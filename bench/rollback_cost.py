@@ -9,9 +9,13 @@ at a given context length, the median seconds of a plain step, of a T-token veri
 and of the rollback after it when half the draft was accepted, each as a ratio to
 the plain step: the price drafting must beat on this model.
 
-MODEL is a path or hub id; `random:qwen3_next` / `random:lfm2` build a random model of
-that mlx-lm architecture at about 100M parameters offline (cost is shape, not weights).
-On a Mac, e.g. `tandem bench rollback mlx-community/Qwen3.5-4B-4bit`.
+For a model with a multi-token-prediction head (Qwen3.5/3.6, Qwen3-Next) it also
+prints what one MTP draft token costs against a plain step (a head of the model's
+shape; its weights do not change the cost).
+
+MODEL is a path or hub id; `random:qwen3_5` / `random:qwen3_next` / `random:lfm2` build
+a random model of that mlx-lm architecture at about 100M parameters offline (cost is
+shape, not weights). On a Mac, e.g. `tandem bench rollback mlx-community/Qwen3.5-4B-4bit`.
 """
 
 from __future__ import annotations
@@ -48,6 +52,22 @@ RANDOM = {
         "partial_rotary_factor": 0.25,
         "tie_word_embeddings": False,
     },
+    "qwen3_5": {
+        "num_hidden_layers": 12,
+        "full_attention_interval": 4,
+        "intermediate_size": 3072,
+        "head_dim": 64,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "linear_num_value_heads": 16,
+        "linear_num_key_heads": 8,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "mtp_num_hidden_layers": 1,
+    },
     "lfm2": {
         "num_hidden_layers": 12,
         "num_attention_heads": 16,
@@ -67,6 +87,7 @@ RANDOM = {
 
 
 def random_model(arch: str):
+    """A random `arch` model of about 100M parameters, and its config."""
     import importlib
 
     config = {
@@ -79,7 +100,22 @@ def random_model(arch: str):
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     model = module.Model(module.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
-    return model
+    return model, config
+
+
+def mtp_step_ratio(model, config: dict, plain_seconds: float, repeats: int) -> float | None:
+    """Seconds of one pipelined MTP draft step / a plain step (None: no MTP head)."""
+    from engines.gates import _pipelined_step_seconds, _warm_cache
+    from engines.mtp import MTP_ARCHS, MTPStepModel, TargetParts, build_head, mtp_layers_in_config
+
+    if config.get("model_type") not in MTP_ARCHS or not mtp_layers_in_config(config):
+        return None
+    head = build_head(config)
+    head.set_dtype(TargetParts(model).dtype)
+    step = MTPStepModel(head, TargetParts(model))
+    cache = _warm_cache(step)
+    seconds = statistics.median(_pipelined_step_seconds(step, cache) for _ in range(repeats))
+    return seconds / plain_seconds
 
 
 def main(argv: list[str]) -> None:
@@ -94,11 +130,11 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
 
     if args.model.startswith("random:"):
-        model = random_model(args.model.split(":", 1)[1])
+        model, config = random_model(args.model.split(":", 1)[1])
     else:
         from mlx_lm import load
 
-        model, _ = load(args.model)
+        model, _, config = load(args.model, return_config=True)
     cache = make_prompt_cache(model)
     mx.eval(model(mx.zeros((1, args.context), dtype=mx.int32), cache=cache))
     kinds = sorted({type(layer).__name__ for layer in cache})
@@ -132,6 +168,9 @@ def main(argv: list[str]) -> None:
         f"{mx.default_device()}, BLAS {describe_blas()}; median of {args.repeats}"
     )
     print(f"plain step {base * 1000:.1f} ms")
+    mtp = mtp_step_ratio(model, config, base, args.repeats)
+    if mtp is not None:
+        print(f"MTP draft token / plain step {mtp:.2f} (the model's own head, chained)")
     print("| T | verify / plain | rollback after it, T/2 tokens kept / plain |")
     print("|---|---|---|")
     for count in (int(t) for t in args.tokens.split(",")):

@@ -1,6 +1,7 @@
 """Speculative speed-up suite at concurrency 1, side by side in one run.
 
-    tandem bench spec MODEL [--draft-model D] [--num-draft-tokens K] [--sets echo,novel]
+    tandem bench spec MODEL [--draft-model D | --mtp [--mtp-weights W]]
+                            [--num-draft-tokens K] [--sets echo,novel]
 
 For each prompt set it decodes every prompt greedily with:
   mlx-lm      a bare `mlx_lm.generate_step` loop (the framework's own limit)
@@ -9,6 +10,10 @@ For each prompt set it decodes every prompt greedily with:
   draft       Tandem with the draft model only
   pld         Tandem with prompt lookup only
   draft+pld   Tandem with both
+  mtp         Tandem drafting with the model's own MTP head (--mtp: Qwen3.5/3.6, Qwen3-Next;
+              e.g. `tandem bench spec mlx-community/Qwen3.5-4B-4bit --mtp --mtp-weights
+              Qwen/Qwen3.5-4B` on a Mac: converted models lost the head, the original has it)
+  mtp+pld     the MTP head and prompt lookup
 and prints decode tok/s (median over prompts x repeats), the ratios to mlx-lm and to
 Tandem's plain decoding, and acceptance per method. Rows with `messages` (the
 code-edit / code-novel sets for instruction models) go through the chat template.
@@ -27,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DATA = Path(__file__).parent / "data"
-CONFIGS = ("mlx-lm", "mlx-lm+draft", "plain", "draft", "pld", "draft+pld")
+CONFIGS = ("mlx-lm", "mlx-lm+draft", "plain", "draft", "pld", "draft+pld", "mtp", "mtp+pld")
 
 
 @dataclass
@@ -117,6 +122,8 @@ def overrides_for(config: str):
         "draft": SpeculationOverrides(enable_pld=False, enable_draft=True),
         "pld": SpeculationOverrides(enable_pld=True, enable_draft=False),
         "draft+pld": SpeculationOverrides(enable_pld=True, enable_draft=True),
+        "mtp": SpeculationOverrides(enable_pld=False, enable_draft=True),
+        "mtp+pld": SpeculationOverrides(enable_pld=True, enable_draft=True),
     }[config]
 
 
@@ -124,6 +131,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="tandem bench spec", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="model path/hub id, or random-100m / wide-stories")
     parser.add_argument("--draft-model", help="draft model (enables the draft configs)")
+    parser.add_argument(
+        "--mtp", action="store_true", help="draft with the model's MTP head (the mtp configs)"
+    )
+    parser.add_argument("--mtp-weights", help="where the mtp.* weights are (file, folder, hub id)")
     parser.add_argument(
         "--num-draft-tokens", type=int, help="Tandem's cap (default: the server's default)"
     )
@@ -145,6 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
         "--peer-k", default="", help="mlx-lm+draft's fixed k values (default: --num-draft-tokens)"
     )
     args = parser.parse_args(argv)
+    if args.mtp and args.draft_model:
+        parser.error("--mtp and --draft-model: one model drafter at a time (as in the server)")
 
     import mlx.core as mx
 
@@ -155,6 +168,12 @@ def main(argv: list[str] | None = None) -> dict:
     model_path = resolve_model(args.model)
     draft_path = resolve_model(args.draft_model) if args.draft_model else None
     registry = ModelRegistry.load(model_path, draft_path)
+    if args.mtp:
+        from engines.mtp import load_head, local_folder, weights_source
+
+        weights = weights_source(args.mtp_weights) if args.mtp_weights else None
+        target = registry.target
+        registry.mtp = load_head(target.model, target.config, local_folder(target.folder), weights)
     tokenizer = registry.tokenizer
     wanted = args.configs.split(",")
     peer_ks = [int(k) for k in args.peer_k.split(",") if k] or [args.num_draft_tokens or 4]
@@ -162,12 +181,16 @@ def main(argv: list[str] | None = None) -> dict:
     for config in CONFIGS:
         if config not in wanted or (not draft_path and "draft" in config):
             continue
+        if config.startswith("mtp") and not args.mtp:
+            continue
         configs += [f"{config} k={k}" for k in peer_ks] if config == "mlx-lm+draft" else [config]
     if "mlx-lm" not in configs:
         configs.insert(0, "mlx-lm")  # the reference every output is checked against
 
     print(f"model   {args.model} -> {model_path}")
     print(f"draft   {args.draft_model} -> {draft_path}")
+    if args.mtp:
+        print(f"mtp     the model's own head, weights from {args.mtp_weights or 'the model'}")
     print(
         f"device  {mx.default_device()}  BLAS {describe_blas()}  "
         f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r}"

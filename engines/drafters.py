@@ -33,15 +33,22 @@ if TYPE_CHECKING:
 
 PLD = "pld"
 DRAFT = "draft"
+MTP = "mtp"  # the model's own multi-token-prediction head (engines.mtp_drafter)
 
 
 @dataclass
 class Draft:
-    method: str  # PLD or DRAFT
+    method: str  # PLD, DRAFT or MTP
     tokens: list[int]
     probs: mx.array | None  # (k, V) float32 q for sampled drafts; None = one-hot
     match_length: int = 0  # PLD: length of the n-gram that matched
     confidences: list[float] = field(default_factory=list)  # draft model: its p(token)
+
+    @property
+    def gate(self) -> str:
+        """The gate that rules this draft: a model drafter's (DRAFT) for the draft model
+        and the MTP head alike -- one model drafter serves at a time -- else PLD's."""
+        return DRAFT if self.method == MTP else self.method
 
 
 class PromptLookupDrafter:
@@ -127,6 +134,8 @@ class DraftModelDrafter:
     the cache is rolled back to the longest prefix shared with the committed context
     and the rest of the context is fed, so it never re-prefills what it has seen.
     """
+
+    method = DRAFT
 
     def __init__(self, model: Any, vocab_size: int, prefill_step_size: int = 2048) -> None:
         self.model = model

@@ -29,6 +29,7 @@ class LoadedModel:
     model: Any  # mlx.nn.Module
     tokenizer: Any  # mlx_lm TokenizerWrapper
     config: dict
+    folder: str = ""  # what mlx-lm loaded: a local folder or a hub id
 
     @property
     def context_length(self) -> int | None:
@@ -60,7 +61,7 @@ def load_model(
         model = LockstepModel(model, group)
     else:
         model, tokenizer, config = load(folder, return_config=True)
-    return LoadedModel(path=path, model=model, tokenizer=tokenizer, config=config)
+    return LoadedModel(path=path, model=model, tokenizer=tokenizer, config=config, folder=folder)
 
 
 def model_folder(path: str, gguf_dtype: str | None = None) -> str:
@@ -120,9 +121,14 @@ class GuardedModel:
         self._engine_name = engine_name
 
     def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        self.guard(inputs)
+        return self._model(inputs, *args, **kwargs)
+
+    def guard(self, inputs: Any) -> None:
+        """What every forward does first; a caller that runs the model in parts (the
+        MTP head needs hidden states) calls it itself."""
         self._registry.check_owner(self._engine_name)
         self._registry.tokens_processed += inputs.size
-        return self._model(inputs, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
@@ -136,6 +142,7 @@ class ModelRegistry:
             check_draft_compatible(target, draft)
         self.target = target
         self.draft = draft
+        self.mtp: Any = None  # the target's own MTP head (engines.mtp), when loaded
         self.owner: str | None = None
         self.tokens_processed = 0  # token positions fed to the target by all engines
 

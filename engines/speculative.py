@@ -45,6 +45,8 @@ from engines.gates import (
     speedup,
 )
 from engines.logprobs import token_logprob, token_logprobs
+from engines.mtp import MTPStepModel, TargetParts
+from engines.mtp_drafter import MTPDrafter, MTPState
 from engines.registry import ModelRegistry
 from engines.rollback import roll_back, take_snapshot, trim_exact
 from engines.sampling import coupled_tokens, filter_logprobs, sample_token
@@ -95,6 +97,7 @@ class SequenceState:
     gates: dict[str, MethodGate] | None = None  # drafting state, kept across a round trip
     pld: PromptLookupDrafter | None = None
     draft: DraftState | None = None
+    mtp: MTPState | None = None
 
 
 @dataclass
@@ -106,6 +109,7 @@ class _Active:
     gates: dict[str, MethodGate] = field(default_factory=dict)
     pld: PromptLookupDrafter = field(default_factory=PromptLookupDrafter)
     draft: DraftState = field(default_factory=DraftState)
+    mtp: MTPState = field(default_factory=MTPState)
     in_flight: mx.array | None = None  # a plain token sampled but not committed
     in_flight_logprobs: mx.array | None = None  # the distribution it was sampled from
     history: mx.array | None = None  # tokens in the cache (+ in flight), for penalties
@@ -131,6 +135,11 @@ class SpeculativeEngine:
         self.config = config
         self.k_cap = max(config.num_draft_tokens, config.max_draft_tokens)
         draft_model = registry.draft.model if registry.draft else None
+        # The model's own MTP head drafts when there is no draft model (one model
+        # drafter at a time); it needs the target's hidden states, so forwards split.
+        self.target_parts = TargetParts(registry.target.model) if registry.mtp else None
+        if draft_model is None and registry.mtp is not None:
+            draft_model = MTPStepModel(registry.mtp, self.target_parts)
         measured = cost or CostModel.measure(registry.target.model, draft_model, self.k_cap + 1)
         # A cost model given explicitly (tests) stays fixed, so gating is repeatable.
         self.costs = OnlineCosts(measured, learn=cost is None)
@@ -140,15 +149,15 @@ class SpeculativeEngine:
             RealizedRates.starting_from(measured.plain_seconds) if cost is None else None
         )
         self.vocab_size = registry.target.vocab_size
-        self.drafter = (
-            DraftModelDrafter(
-                draft_model,
+        self.drafter: DraftModelDrafter | MTPDrafter | None = None
+        if registry.draft is not None:
+            self.drafter = DraftModelDrafter(
+                registry.draft.model,
                 min(registry.draft.vocab_size, self.vocab_size),
                 config.prefill_step_size,
             )
-            if draft_model is not None
-            else None
-        )
+        elif registry.mtp is not None:
+            self.drafter = MTPDrafter(registry.mtp, self.target_parts, self.vocab_size)
         self.totals = SpecStats()  # lifetime counters for /metrics
         # how often the draft model is right, by how sure it was (the pair's property)
         self.confidence = ConfidenceCalibration()
@@ -156,12 +165,14 @@ class SpeculativeEngine:
         self.released: list[SequenceState] = []  # finished sequences' caches, for reuse
 
     def describe(self) -> str:
-        methods = (["pld"] if self.config.enable_pld else []) + (["draft"] if self.drafter else [])
+        methods = (["pld"] if self.config.enable_pld else []) + (
+            [self.drafter.method] if self.drafter else []
+        )
         cost = self.cost
         costs = ", ".join(f"{c:.2f}" for c in cost.verify[: self.config.num_draft_tokens + 1])
         return (
             f"methods={'+'.join(methods) or 'none'} k={self.config.num_draft_tokens} "
-            + ("(draft model: stops when unsure) " if self.drafter else "")
+            + (f"({self.drafter.method}: stops when unsure) " if self.drafter else "")
             + (f"(prompt lookup up to {self.k_cap}) " if self.config.enable_pld else "")
             + f"verify cost vs plain step for 1..k+1 tokens=[{costs}]"
             + (f" draft step={cost.draft_step:.2f}" if self.drafter else "")
@@ -191,6 +202,7 @@ class SpeculativeEngine:
         active = _Active(seq, state.cache, state.cached, seq.processors)
         active.pld = state.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
         active.draft = state.draft or DraftState()
+        active.mtp = state.mtp or MTPState()
         if active.processors:
             active.history = mx.array(active.tokens[: state.cached], dtype=mx.int32)
         active.gates = state.gates if state.gates is not None else self.initial_gates(seq)
@@ -213,7 +225,13 @@ class SpeculativeEngine:
             outputs = [error]
         self.active = None
         state = SequenceState(
-            active.seq, active.cache, active.cached, active.gates, active.pld, active.draft
+            active.seq,
+            active.cache,
+            active.cached,
+            active.gates,
+            active.pld,
+            active.draft,
+            active.mtp,
         )
         return state, outputs
 
@@ -272,8 +290,9 @@ class SpeculativeEngine:
                 # Only steady proposals: a catch-up prefill of the draft (new request,
                 # return from batching) is a once-per-request cost like the prompt's
                 # prefill, not what a drafting step costs.
-                caught_up = active.draft.caught_up if draft.method == DRAFT else 0
-                if draft.method == DRAFT and caught_up <= 2:
+                model_state = self._drafter_state(active)
+                caught_up = model_state.caught_up if draft.gate == DRAFT else 0
+                if draft.gate == DRAFT and caught_up <= 2:
                     self.costs.observe_draft(len(draft.tokens), proposed - started)
                 outputs = self._verify(active, draft)
                 finished = time.perf_counter()
@@ -286,8 +305,8 @@ class SpeculativeEngine:
                 # of plain steps): a once-per-switch cost, not what drafting steps cost.
                 # Steps after a long catch-up left out entirely, a closed gate's probes
                 # never counted, and a verdict of "slower" could never be revised.
-                if self.realized and draft.method == DRAFT:
-                    seconds = finished - started - active.draft.catch_up_seconds
+                if self.realized and draft.gate == DRAFT:
+                    seconds = finished - started - model_state.catch_up_seconds
                     self.realized.observe_draft(
                         DRAFT, len(draft.tokens), seconds, committed, active.predicted
                     )
@@ -311,8 +330,17 @@ class SpeculativeEngine:
     def _prefill_chunk(self, active: _Active) -> None:
         pending = active.tokens[active.cached : -1]
         chunk = mx.array(pending[: self.config.prefill_step_size])
-        self.model(chunk[None], cache=active.cache)
-        mx.eval([c.state for c in active.cache])
+        if self._feeds_mtp(active):
+            # the MTP head sees the prompt too: each position's hidden state with the
+            # token after it, fed now (not kept: a long prompt's states are large)
+            _, hidden = self._forward(active, chunk)
+            following = active.tokens[active.cached + 1 : active.cached + 1 + chunk.size]
+            active.mtp.observe(active.cached, hidden[0], mx.array(following))
+            self.drafter.feed(active.mtp)
+            mx.eval([c.state for c in active.cache], [c.state for c in active.mtp.cache])
+        else:
+            self.model(chunk[None], cache=active.cache)
+            mx.eval([c.state for c in active.cache])
         if active.processors:
             active.history = mx.concat([active.history, chunk])
         active.cached += chunk.size
@@ -323,14 +351,33 @@ class SpeculativeEngine:
     ) -> tuple[mx.array, mx.array]:
         """One plain target step on `tokens` (shape (1,)); returns the token sampled for
         output `position` and the log-probabilities it was sampled from (lazy arrays)."""
-        logits = self.model(tokens[None], cache=active.cache)[:, -1, :]
+        logits, hidden = self._forward(active, tokens)
+        logits = logits[:, -1, :]
         if active.processors:
             active.history = mx.concat([active.history, tokens])
             for processor in active.processors:
                 logits = processor(active.history, logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         params, rng = active.seq.request.sampling, active.seq.rng
-        return sample_token(params, logprobs, rng, position), logprobs
+        token = sample_token(params, logprobs, rng, position)
+        if hidden is not None:
+            active.mtp.observe(active.cached, hidden[0], token)
+        return token, logprobs
+
+    def _feeds_mtp(self, active: _Active) -> bool:
+        """The request may draft with the MTP head, so the head must see its tokens."""
+        return isinstance(self.drafter, MTPDrafter) and DRAFT in active.gates
+
+    def _forward(self, active: _Active, tokens: mx.array) -> tuple[mx.array, mx.array | None]:
+        """A target forward over `tokens` (shape (n,)): logits (1, n, V), and the hidden
+        states before the LM head when the MTP head will need them (else None)."""
+        if not self._feeds_mtp(active):
+            return self.model(tokens[None], cache=active.cache), None
+        self.model.guard(tokens)
+        return self.target_parts.forward(tokens[None], active.cache)
+
+    def _drafter_state(self, active: _Active) -> DraftState | MTPState:
+        return active.mtp if isinstance(self.drafter, MTPDrafter) else active.draft
 
     def _commit_in_flight(self, pipeline: bool) -> list[StepOutput]:
         active = self.active
@@ -389,7 +436,7 @@ class SpeculativeEngine:
         # the gates said the draft model pays; its confidence says how far, up to k_max
         stop = DraftStop(self.cost, self.confidence)
         draft = self.drafter.propose(
-            active.draft,
+            self._drafter_state(active),
             active.tokens,
             k_max,
             seq.request.sampling,
@@ -398,6 +445,8 @@ class SpeculativeEngine:
             position=len(seq.generated),
             stop=stop,
         )
+        if draft is None:  # the MTP head has not seen the newest token (a restart)
+            return pld_draft
         active.predicted = stop.predicted(len(draft.tokens))
         return draft
 
@@ -405,7 +454,9 @@ class SpeculativeEngine:
         """The draft model's first token was accepted in at least half of its drafts
         over the server's life (once it drafted `TRUSTED_SAMPLE` times): it drafts until
         drafting is measured slower, whatever a request's latest rejections say."""
-        stats = self.totals.by_method.get(DRAFT)
+        if self.drafter is None:
+            return False
+        stats = self.totals.by_method.get(self.drafter.method)
         if stats is None or stats.drafts < TRUSTED_SAMPLE:
             return False
         return stats.first_accepted >= TRUSTED_ACCEPTANCE * stats.drafts
@@ -445,7 +496,8 @@ class SpeculativeEngine:
         k = len(draft.tokens)
         fed = [active.tokens[-1], *draft.tokens]
         snapshot = take_snapshot(active.cache)  # None unless the cache cannot trim
-        logits = self.model(mx.array(fed)[None], cache=active.cache)[0]
+        logits, hidden = self._forward(active, mx.array(fed))
+        logits = logits[0]
         logprobs = self._process_rows(active, logits, fed)
         if params.greedy or seq.rng.seeded:
             # Greedy: the argmax. Seeded: each position's plain seeded sample (coupled
@@ -460,6 +512,9 @@ class SpeculativeEngine:
         else:
             accepted, next_token = self._accept_sampled(active, logprobs, draft)
         roll_back(active.cache, k - accepted, snapshot, self.model, fed[: 1 + accepted])
+        if hidden is not None:  # the accepted positions' states, each with its next token
+            following = mx.array([*draft.tokens[:accepted], next_token])
+            active.mtp.observe(active.cached, hidden[0, : 1 + accepted], following)
         active.cached += 1 + accepted
         if active.processors:
             active.history = mx.concat([active.history, mx.array(fed[: 1 + accepted])])
@@ -510,10 +565,10 @@ class SpeculativeEngine:
             self.confidence.observe(draft.confidences, accepted)
         active.seq.spec.record(draft.method, k, accepted)
         self.totals.record(draft.method, k, accepted)
-        gate = active.gates[draft.method]
-        measured = self._measured(draft.method, active)
-        k_max = self.request_k(active.seq, draft.method)
-        trusted = draft.method == DRAFT and self._trusted_draft()
+        gate = active.gates[draft.gate]
+        measured = self._measured(draft.gate, active)
+        k_max = self.request_k(active.seq, draft.gate)
+        trusted = draft.gate == DRAFT and self._trusted_draft()
         if gate.record(k, accepted, k_max, self.cost, measured, draft.match_length, trusted):
             active.seq.spec.trip("runtime")
             self.totals.trip("runtime")

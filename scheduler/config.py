@@ -19,6 +19,10 @@ class SchedulerConfig:
     # which repeat this process's forwards (engines/lockstep.py).
     distributed: str | None = None
     num_draft_tokens: int | None = None  # None: SpecConfig's defaults (see for_server)
+    # The model's own MTP head drafts when it has one and no draft model is given;
+    # mtp_weights: where its mtp.* weights are, when not in the model's own files.
+    mtp: bool = True
+    mtp_weights: str | None = None
     enable_pld: bool = True
     max_queue: int = 256  # requests waiting beyond the running ones; more get QueueFull
     max_num_seqs: int = 16  # requests decoding at once (the batch size bound)

@@ -12,6 +12,14 @@ from typing import Any
 
 from engines.constraints import GrammarCompiler
 from engines.gates import CostModel
+from engines.mtp import (
+    MTP_ARCHS,
+    MTPUnavailable,
+    load_head,
+    local_folder,
+    mtp_layers_in_config,
+    weights_source,
+)
 from engines.ragged_cache import warm_up
 from engines.registry import ModelRegistry
 from engines.rollback import supports_rollback, supports_snapshot
@@ -69,6 +77,8 @@ def load_model(config: SchedulerConfig) -> Loaded:
             "the state before the verify and replaying the accepted tokens; drafting runs "
             "while one request decodes, concurrent requests are batched plainly"
         )
+    if drafting:
+        attach_mtp(registry, config)
     engine = SpeculativeEngine(
         registry,
         SpecConfig.for_server(
@@ -89,8 +99,43 @@ def load_model(config: SchedulerConfig) -> Loaded:
         path=config.model,
         tokenizer=registry.tokenizer,
         context_length=registry.target.context_length,
-        has_draft=registry.draft is not None,
+        has_draft=registry.draft is not None or registry.mtp is not None,
         grammar=GrammarCompiler(registry.tokenizer),
     )
     info.grammar.warm_in_background()
     return Loaded(registry, engine, drafting, rows_roll_back, info)
+
+
+def attach_mtp(registry: ModelRegistry, config: SchedulerConfig) -> None:
+    """Load the target's own MTP head into `registry.mtp` when it has one and it will
+    draft: not with --no-mtp, a draft model (one model drafter at a time) or ranks.
+    Weights asked for with --mtp-weights must load; a model whose converted files
+    lost the head is served without it, and the log says how to bring it back."""
+    target = registry.target
+    declared = mtp_layers_in_config(target.config) > 0
+    if not (declared or config.mtp_weights):
+        return
+    if not config.mtp or registry.draft is not None or config.distributed:
+        reason = (
+            "--no-mtp"
+            if not config.mtp
+            else "--draft-model drafts instead"
+            if registry.draft is not None
+            else "not with --distributed"
+        )
+        log.info("MTP head: not used (%s)", reason)
+        return
+    weights = weights_source(config.mtp_weights) if config.mtp_weights else None
+    try:
+        if target.config.get("model_type") not in MTP_ARCHS:
+            raise MTPUnavailable(
+                f"model type {target.config.get('model_type')!r} is not one Tandem builds "
+                f"an MTP head for ({', '.join(MTP_ARCHS)})"
+            )
+        registry.mtp = load_head(target.model, target.config, local_folder(target.folder), weights)
+    except MTPUnavailable as exc:
+        if weights is not None:
+            raise
+        log.warning("MTP head: not used: %s", exc)
+        return
+    log.info("MTP head: loaded; it drafts (depth chained up to k, --no-mtp turns it off)")

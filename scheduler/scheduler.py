@@ -342,6 +342,15 @@ class Scheduler:
         return self._spec
 
     @property
+    def drafters(self) -> list[str]:
+        """The drafters requests may use: "pld", and "draft" or "mtp" (the model drafter)."""
+        spec = self._spec
+        if spec is None:
+            return []
+        methods = ["pld"] if spec.config.enable_pld else []
+        return methods + ([spec.drafter.method] if spec.drafter is not None else [])
+
+    @property
     def speculation_costs(self) -> dict | None:
         """The single-stream cost model in use (verify and draft-step costs relative to a
         plain step), what was measured at start-up, and how many steps taught it; and the

@@ -51,6 +51,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-pld", action="store_true", help="disable prompt-lookup decoding")
     parser.add_argument(
+        "--no-mtp",
+        action="store_true",
+        help="do not draft with the model's own multi-token-prediction head (Qwen3.5/3.6, "
+        "Qwen3-Next); without --draft-model it drafts whenever the checkpoint has one",
+    )
+    parser.add_argument(
+        "--mtp-weights",
+        help="safetensors file or folder holding the mtp.* weights (the original Hugging Face "
+        "checkpoint), for a converted model that lost them",
+    )
+    parser.add_argument(
         "--distributed",
         choices=["tensor", "pipeline"],
         help="shard the model over the ranks started by `mlx.launch` (tensor or pipeline "

@@ -100,7 +100,7 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 DRAFT_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
-METHODS = ("draft", "pld")
+METHODS = ("draft", "mtp", "pld")
 GATES = ("prompt", "runtime")
 MEMORY_KINDS = ("active", "cache", "peak")
 
@@ -325,6 +325,7 @@ class Metrics:
                 "client_disconnects": self.disconnects,
             },
             "speculation": {
+                "drafters": scheduler.drafters,
                 "drafts": spec.drafts,
                 "draft_tokens": spec.draft_tokens,
                 "accepted_tokens": spec.accepted_tokens,
@@ -390,13 +391,22 @@ class _LiveGauges(Collector):
             labels=["model_name"],
         )
         supported.add_metric([m], 1.0 if scheduler.speculation_supported else 0.0)
+        drafters = GaugeMetricFamily(
+            "tandem_drafter_active",
+            "1 for each drafter requests may use: pld (prompt lookup), draft (--draft-model), "
+            "mtp (the model's own multi-token-prediction head).",
+            labels=["model_name", "drafter"],
+        )
+        active = scheduler.drafters
+        for drafter in METHODS:
+            drafters.add_metric([m, drafter], 1.0 if drafter in active else 0.0)
         ranks = GaugeMetricFamily(
             "tandem_ranks",
             "Processes the model is sharded over (--distributed under mlx.launch); 1 = one.",
             labels=["model_name"],
         )
         ranks.add_metric([m], scheduler.ranks)
-        yield from (running, waiting, mode, memory, blas, supported, ranks)
+        yield from (running, waiting, mode, memory, blas, supported, drafters, ranks)
         yield from self._cost_gauges(m, scheduler.speculation_costs)
 
     @staticmethod

@@ -116,6 +116,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
             draft_model=args.draft_model,
             num_draft_tokens=args.num_draft_tokens,
             enable_pld=not args.no_pld,
+            mtp=not args.no_mtp,
+            mtp_weights=args.mtp_weights,
             max_queue=args.max_queue,
             max_num_seqs=args.max_num_seqs,
             max_per_key=args.max_per_key,

@@ -10,6 +10,9 @@ layers of hidden size 64, with random weights, saved as `config.json` +
 * `lfm2`: LFM2, whose short-convolution layers keep an `ArraysCache` state.
 * `qwen3_next`: a Qwen3-Next hybrid: gated-delta linear attention (`ArraysCache`)
   with one full-attention layer in four, mixture-of-experts MLPs.
+* `qwen3_5`: a Qwen3.5 hybrid (dense MLPs, gated attention) whose checkpoint also
+  holds `mtp.*` weights, the multi-token-prediction head mlx-lm drops at load
+  (`build_tiny_arch(..., mtp=...)` says which head, see `add_mtp_head`).
 
 And one whose caches do roll back, for what needs another family:
 
@@ -91,6 +94,26 @@ CONFIGS: dict[str, dict] = {
         "partial_rotary_factor": 0.25,
         "tie_word_embeddings": False,
     },
+    "qwen3_5": {
+        "model_type": "qwen3_5",
+        "num_hidden_layers": 4,
+        "full_attention_interval": 4,
+        "intermediate_size": 128,
+        "head_dim": 16,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        "tie_word_embeddings": False,
+        "mtp_num_hidden_layers": 1,
+    },
     "ministral3": {
         "model_type": "ministral3",
         "num_hidden_layers": 4,
@@ -108,12 +131,18 @@ CONFIGS: dict[str, dict] = {
 
 
 def build_tiny_arch(
-    kind: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0, noise: float = 0.0
+    kind: str,
+    out_dir: Path,
+    tokenizer_dir: Path,
+    seed: int = 0,
+    noise: float = 0.0,
+    mtp: str | None = None,
 ) -> Path:
     """Write a random `kind` model (see `CONFIGS`) using `tokenizer_dir`'s tokenizer.
 
     `noise` > 0 adds that much relative Gaussian noise to every layer weight of the
-    same random model (same `seed`): a draft that agrees with it mostly, not always."""
+    same random model (same `seed`): a draft that agrees with it mostly, not always.
+    `mtp` ("random" or "copy", models with an MTP head only): see `add_mtp_head`."""
     import importlib
 
     import mlx.core as mx
@@ -126,9 +155,11 @@ def build_tiny_arch(
         if item.is_file() and item.name not in _MODEL_FILES:
             shutil.copy(item, out_dir / item.name)
     base = json.loads((tokenizer_dir / "config.json").read_text())
+    mtp_layers = {"num_nextn_predict_layers": 1} if mtp and kind == "qwen3_next" else {}
     config = {
         **_COMMON,
         **CONFIGS[kind],
+        **mtp_layers,
         "vocab_size": base["vocab_size"],
         "eos_token_id": base["eos_token_id"],
     }
@@ -136,6 +167,8 @@ def build_tiny_arch(
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(config))
     model.update(tree_map_with_path(_scale_layer_weight, model.parameters()))
+    if kind == "qwen3_5":
+        model.update(tree_map_with_path(_scale_text_layer, model.parameters()))
     if noise:
         key = mx.random.key(seed + 1)
 
@@ -145,7 +178,13 @@ def build_tiny_arch(
             return value + noise * value.std() * mx.random.normal(value.shape, key=sub)
 
         model.update(tree_map(perturb, model.parameters()))
+    head = add_mtp_head(model, config, mtp, seed) if mtp is not None else {}
     weights = dict(tree_flatten(model.parameters()))
+    if kind == "qwen3_5":  # in the model's file, which mlx-lm's qwen3_5 sanitize filters
+        weights.update(head)
+    elif head:  # a file of its own: mlx-lm's qwen3_next refuses unknown keys
+        mx.eval(head)
+        mx.save_safetensors(str(out_dir / "mtp.safetensors"), head)
     mx.eval(weights)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights)
     # mlx-lm's pipeline loader reads which file holds each layer from the index.
@@ -153,3 +192,51 @@ def build_tiny_arch(
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir
+
+
+def _scale_text_layer(path: str, value):
+    """The demo's layer-weight scale for a model whose text layers sit one level down."""
+    from engines.demo import _scale_layer_weight
+
+    return _scale_layer_weight(path.removeprefix("language_model."), value)
+
+
+# Every layer but the full-attention one contributes this fraction of its output in a
+# "copy" checkpoint, so the one-layer MTP head can mostly reproduce the target.
+COPY_RESIDUAL_SCALE = 0.005
+
+
+def add_mtp_head(model, config: dict, kind: str, seed: int) -> dict:
+    """`mtp.*` weights for `model` (updated in place for "copy"):
+
+    * "random": a random head. It rarely agrees with the target: drafts are mostly
+      rejected, so every rejection path (restore and replay included) runs.
+    * "copy": the head is the target's own next-token path. Embeddings get unit RMS,
+      the head's fc passes the normalised embedding through, its layer is a copy of
+      the target's full-attention layer, and the target's other layers are scaled
+      down (`COPY_RESIDUAL_SCALE`). Fed (h_i, x_{i+1}), the head then computes about
+      what the target computes at position i+1, so most drafts are accepted."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from engines.mtp import build_head
+
+    mx.random.seed(seed + 7)
+    head = build_head(config)
+    text = getattr(model, "language_model", model).model
+    if kind == "copy":
+        if config["model_type"] != "qwen3_5":
+            raise ValueError("a copy head is built for the dense qwen3_5 layers only")
+        embed = text.embed_tokens.weight
+        text.embed_tokens.weight = embed * mx.rsqrt(mx.mean(embed * embed, -1, keepdims=True))
+        attention = config["full_attention_interval"] - 1
+        for index, layer in enumerate(text.layers):
+            if index != attention:
+                layer.linear_attn.out_proj.weight *= COPY_RESIDUAL_SCALE
+                layer.mlp.down_proj.weight *= COPY_RESIDUAL_SCALE
+        head.layers[0].update(text.layers[attention].parameters())
+        size = config["hidden_size"]
+        head.fc.weight = mx.concatenate([mx.eye(size), mx.zeros((size, size))], axis=1)
+    elif kind != "random":
+        raise ValueError(f"unknown MTP head kind {kind!r}")
+    return {f"mtp.{key}": value for key, value in tree_flatten(head.parameters())}

@@ -51,6 +51,7 @@ RANDOM = {
         "rope_theta": 10000.0,
         "partial_rotary_factor": 0.25,
         "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 1,
     },
     "qwen3_5": {
         "num_hidden_layers": 12,

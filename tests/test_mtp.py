@@ -370,7 +370,7 @@ def test_the_cli_flags_reach_the_scheduler():
 
 def test_bench_spec_runs_the_mtp_configs_and_checks_them_against_mlx_lm(checkpoints, capsys):
     """`tandem bench spec MODEL --mtp`, as it runs on a Mac on real weights: every
-    output checked against mlx-lm's, the head's acceptance reported."""
+    output checked against mlx-lm's, the head's drafts and acceptance reported."""
     from bench import spec
 
     table = spec.main(
@@ -390,5 +390,7 @@ def test_bench_spec_runs_the_mtp_configs_and_checks_them_against_mlx_lm(checkpoi
     rows = table["novel"]
     assert set(rows) == {"mlx-lm", "plain", "mtp", "mtp+pld"}
     assert all(row["greedy_mismatches"] == 0 for row in rows.values())
-    assert rows["mtp"]["accepted"]["mtp"] > 0
+    # the engine measured its costs like a fresh server: on a model this small the head
+    # costs nearly a plain step, so it drafts rarely, but it does draft
+    assert rows["mtp"]["drafted"]["mtp"] > 0
     assert "mtp     the model's own head" in capsys.readouterr().out

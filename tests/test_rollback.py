@@ -1,5 +1,6 @@
 """Models whose caches cannot trim are served exactly, with speculation: a
-sliding-window Llama (`RotatingKVCache(16)`), LFM2 and a Qwen3-Next hybrid
+sliding-window Llama (`RotatingKVCache(16)`), gpt-oss (sliding and full attention
+layers alternating, sinks, experts), LFM2 and a Qwen3-Next hybrid
 (`ArraysCache`). The scheduler finds out at load. A rejected draft rolls back by
 restoring the caches' state from before the verify and replaying the accepted tokens
 (target and draft model alike); one request drafts (PLD, the draft model), concurrent
@@ -28,7 +29,7 @@ from tests.conftest import Reference, make_client, start_scheduler
 from tests.test_metrics import scrape
 from tests.tiny_archs import SLIDING_WINDOW, build_tiny_arch
 
-ARCHS = ("sliding", "lfm2", "qwen3_next")
+ARCHS = ("sliding", "gpt_oss", "lfm2", "qwen3_next")
 CODE_PROMPT = "def add(a, b):\n    return a + b\n" * 4
 PROMPTS = [
     "Once upon a time there was a robot",
@@ -202,7 +203,8 @@ async def test_metrics_report_speculation_supported(served, scheduler):
 def test_supports_rollback_only_for_plain_kv_caches(arch, reference):
     kind, _, _, arch_reference = arch
     kinds = {type(layer) for layer in make_prompt_cache(arch_reference.model)}
-    assert kinds == {KVCache, RotatingKVCache if kind == "sliding" else ArraysCache}
+    windowed = kind in ("sliding", "gpt_oss")
+    assert kinds == {KVCache, RotatingKVCache if windowed else ArraysCache}
     assert supports_rollback(arch_reference.model) is False
     assert supports_snapshot(arch_reference.model) is True
     assert supports_rollback(reference.model) is True

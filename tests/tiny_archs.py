@@ -10,6 +10,8 @@ layers of hidden size 64, with random weights, saved as `config.json` +
 * `lfm2`: LFM2, whose short-convolution layers keep an `ArraysCache` state.
 * `qwen3_next`: a Qwen3-Next hybrid: gated-delta linear attention (`ArraysCache`)
   with one full-attention layer in four, mixture-of-experts MLPs.
+* `gpt_oss`: gpt-oss (attention sinks, mixture of experts) whose sliding-window
+  layers alternate with full attention, as in the real model.
 * `qwen3_5`: a Qwen3.5 hybrid (dense MLPs, gated attention) whose checkpoint also
   holds `mtp.*` weights, the multi-token-prediction head mlx-lm drops at load
   (`build_tiny_arch(..., mtp=...)` says which head, see `add_mtp_head`).
@@ -93,6 +95,18 @@ CONFIGS: dict[str, dict] = {
         "rope_theta": 10000.0,
         "partial_rotary_factor": 0.25,
         "tie_word_embeddings": False,
+    },
+    "gpt_oss": {
+        "model_type": "gpt_oss",
+        "num_hidden_layers": 4,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 64,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000,
+        "sliding_window": SLIDING_WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
     },
     "qwen3_5": {
         "model_type": "qwen3_5",

@@ -4,7 +4,9 @@ relative to a plain decode step, for the model's own cache kinds.
 A verify feeds T tokens in one forward; after it, the rejected positions go. Plain KV
 caches trim them (free); recurrent (`ArraysCache`) and sliding-window
 (`RotatingKVCache`) caches cannot, so Tandem restores the state from before the verify
-and replays the accepted run, one more forward (`engines/rollback.py`). This prints,
+and replays the accepted run (`engines/rollback.py`): through the recurrent layers alone,
+from their inputs captured during the verify, where the other layers are plain KV caches
+(they trim); through the whole model otherwise (a sliding window). This prints,
 at a given context length, the median seconds of a plain step, of a T-token verify,
 and of the rollback after it when half the draft was accepted, each as a ratio to
 the plain step: the price drafting must beat on this model.
@@ -27,20 +29,24 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+# Qwen3-Next and Qwen3.5 alike: gated-delta linear attention, one full-attention layer in 4
+_GATED_DELTA = {
+    "num_hidden_layers": 12,
+    "full_attention_interval": 4,
+    "head_dim": 64,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "linear_num_value_heads": 16,
+    "linear_num_key_heads": 8,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+}
 # Cost is shape, not weights: random ones, about 100M parameters of each architecture.
 RANDOM = {
     "qwen3_next": {
-        "num_hidden_layers": 12,
-        "full_attention_interval": 4,
+        **_GATED_DELTA,
         "intermediate_size": 2048,
-        "head_dim": 64,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 4,
-        "linear_num_value_heads": 16,
-        "linear_num_key_heads": 8,
-        "linear_key_head_dim": 64,
-        "linear_value_head_dim": 64,
-        "linear_conv_kernel_dim": 4,
         "num_experts": 8,
         "num_experts_per_tok": 2,
         "decoder_sparse_step": 1,
@@ -54,17 +60,8 @@ RANDOM = {
         "num_nextn_predict_layers": 1,
     },
     "qwen3_5": {
-        "num_hidden_layers": 12,
-        "full_attention_interval": 4,
+        **_GATED_DELTA,
         "intermediate_size": 3072,
-        "head_dim": 64,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 4,
-        "linear_num_value_heads": 16,
-        "linear_num_key_heads": 8,
-        "linear_key_head_dim": 64,
-        "linear_value_head_dim": 64,
-        "linear_conv_kernel_dim": 4,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
         "mtp_num_hidden_layers": 1,
@@ -121,7 +118,7 @@ def mtp_step_ratio(model, config: dict, plain_seconds: float, repeats: int) -> f
 
 def main(argv: list[str]) -> None:
     from engines.blas import describe_blas
-    from engines.rollback import roll_back, take_snapshot
+    from engines.rollback import capturing_inputs, roll_back, take_snapshot
 
     parser = argparse.ArgumentParser(prog="tandem bench rollback", description=__doc__)
     parser.add_argument("model", help="path or hub id, or random:qwen3_next / random:lfm2")
@@ -145,22 +142,24 @@ def main(argv: list[str]) -> None:
     def feed(count: int):
         return model(mx.ones((1, count), dtype=mx.int32), cache=cache)
 
-    def verify_and_roll_back(count: int, keep: int) -> tuple[float, float]:
+    def verify_and_roll_back(count: int, keep: int, capture: bool) -> tuple[float, float]:
         """Seconds of a `count`-token verify, and of rolling back all but its first
-        `keep` positions (the last token and the accepted drafts); then back to the
-        bare context for the next repeat."""
+        `keep` positions (the last token and the accepted drafts) -- replaying the
+        recurrent layers alone from the verify's captured inputs, or the whole model;
+        then back to the bare context for the next repeat."""
         snapshot = take_snapshot(cache)
         started = time.perf_counter()
-        mx.eval(feed(count))
+        with capturing_inputs(model, cache, snapshot if capture else None):
+            mx.eval(feed(count))
         verified = time.perf_counter()
         roll_back(cache, count - keep, snapshot, model, [1] * keep)
         done = time.perf_counter()
         roll_back(cache, keep, base_state)
         return verified - started, done - verified
 
-    def medians(count: int, keep: int) -> tuple[float, float]:
-        verify_and_roll_back(count, keep)  # warm-up
-        runs = [verify_and_roll_back(count, keep) for _ in range(args.repeats)]
+    def medians(count: int, keep: int, capture: bool = True) -> tuple[float, float]:
+        verify_and_roll_back(count, keep, capture)  # warm-up
+        runs = [verify_and_roll_back(count, keep, capture) for _ in range(args.repeats)]
         return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
     base, _ = medians(1, 1)
@@ -172,8 +171,12 @@ def main(argv: list[str]) -> None:
     mtp = mtp_step_ratio(model, config, base, args.repeats)
     if mtp is not None:
         print(f"MTP draft token / plain step {mtp:.2f} (the model's own head, chained)")
-    print("| T | verify / plain | rollback after it, T/2 tokens kept / plain |")
-    print("|---|---|---|")
+    print(
+        "| T | verify / plain | rollback after it, T/2 kept / plain: "
+        "recurrent layers replayed (Tandem) | whole model replayed |"
+    )
+    print("|---|---|---|---|")
     for count in (int(t) for t in args.tokens.split(",")):
         verify, back = medians(count, count // 2)
-        print(f"| {count} | {verify / base:.2f} | {back / base:.2f} |")
+        _, whole = medians(count, count // 2, capture=False)
+        print(f"| {count} | {verify / base:.2f} | {back / base:.2f} | {whole / base:.2f} |")

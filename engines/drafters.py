@@ -18,6 +18,7 @@ tokens are never proposed to another.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -167,31 +168,17 @@ class DraftModelDrafter:
         values (a grammar) reads them itself."""
         if k <= 0:
             return None
-        logits = self._catch_up(state, context)
-        history = mx.array(context, dtype=mx.int32) if processors else None
-        tokens, probs = [], []
-        for i in range(k):
-            token, q, confidence = draft_token(
-                logits[None], params, rng, processors, history, position + i
-            )
-            if q is not None:
-                probs.append(q[0])
-            mx.async_eval(token, confidence)
-            tokens.append(token)
-            if history is not None:
-                history = mx.concatenate([history, token.astype(mx.int32)])
-            if stop is not None and not stop.add(confidence.item()):
-                break
-            if i + 1 < k:
-                logits = self.model(token[None], cache=state.cache)[0, -1, : self.vocab_size]
-                logits = logits.astype(mx.float32)
-        drafted = mx.concatenate(tokens).tolist()
+        logits = self._catch_up(state, context)[None]
+
+        def advance(token: mx.array) -> mx.array:
+            out = self.model(token[None], cache=state.cache)[0, -1:, : self.vocab_size]
+            return out.astype(mx.float32)
+
+        draft, drafted = chain_drafts(
+            DRAFT, logits, advance, k, params, rng, processors, context, position, stop
+        )
         state.fed.extend(drafted[:-1])  # every draft token but the last was fed
-        if stop is None:
-            return Draft(DRAFT, drafted, mx.stack(probs) if probs else None)
-        keep = stop.best_length()
-        q = mx.stack(probs[:keep]) if probs else None
-        return Draft(DRAFT, drafted[:keep], q, confidences=stop.confidences[:keep])
+        return draft
 
     def _catch_up(self, state: DraftState, context: list[int]) -> mx.array:
         """Roll back to the shared prefix (keeping one token to feed), feed the rest."""
@@ -226,6 +213,46 @@ class DraftModelDrafter:
         logits = self.model(mx.array(tokens)[None], cache=state.cache)[0, -1, : self.vocab_size]
         state.fed.extend(tokens)
         return logits.astype(mx.float32)
+
+
+def chain_drafts(
+    method: str,
+    logits: mx.array,
+    advance: Callable[[mx.array], mx.array],
+    k: int,
+    params: SamplingParams,
+    rng: RandomStream,
+    processors: list | None,
+    context: list[int],
+    position: int,
+    stop: DraftStop | None,
+) -> tuple[Draft, list[int]]:
+    """Up to k tokens drafted one after another from (1, V) `logits`, `advance(token)`
+    giving the logits after each; returns the draft (cut to `stop`'s best length, at
+    least one token) and every token drafted. Token i is for output `position + i`
+    (a seeded request's draws are keyed by it); processors see the history. The
+    steps are one lazy chain, evaluated asynchronously and read once at the end (one
+    wait per proposal, not per token), except each confidence `stop` reads."""
+    history = mx.array(context, dtype=mx.int32) if processors else None
+    tokens, probs = [], []
+    for i in range(k):
+        token, q, confidence = draft_token(logits, params, rng, processors, history, position + i)
+        if q is not None:
+            probs.append(q[0])
+        mx.async_eval(token, confidence)
+        tokens.append(token)
+        if history is not None:
+            history = mx.concatenate([history, token.astype(mx.int32)])
+        if stop is not None and not stop.add(confidence.item()):
+            break
+        if i + 1 < k:
+            logits = advance(token)
+    drafted = mx.concatenate(tokens).tolist()
+    if stop is None:
+        return Draft(method, drafted, mx.stack(probs) if probs else None), drafted
+    keep = stop.best_length()
+    q = mx.stack(probs[:keep]) if probs else None
+    return Draft(method, drafted[:keep], q, confidences=stop.confidences[:keep]), drafted
 
 
 def shared_prefix(fed: list[int], context: list[int]) -> int:

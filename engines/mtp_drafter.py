@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
-from engines.drafters import MTP, Draft, draft_token
+from engines.drafters import MTP, Draft, chain_drafts
 from engines.mtp import MTPHead, TargetParts
 from engines.request import SamplingParams
 from engines.sampling import RandomStream
@@ -119,28 +119,18 @@ class MTPDrafter:
         out = self.feed(state)
         if out is None or state.start + state.length != len(context) - 1:
             return None  # the head has not seen the newest token: no draft this step
-        history = mx.array(context, dtype=mx.int32) if processors else None
-        tokens, probs = [], []
-        for i in range(k):
-            logits = self.target.logits(out)[0, -1:, : self.vocab_size].astype(mx.float32)
-            token, q, confidence = draft_token(
-                logits, params, rng, processors, history, position + i
-            )
-            if q is not None:
-                probs.append(q[0])
-            mx.async_eval(token, confidence)
-            tokens.append(token)
-            if history is not None:
-                history = mx.concatenate([history, token.astype(mx.int32)])
-            if stop is not None and not stop.add(confidence.item()):
-                break
-            if i + 1 < k:  # the next pair: the head's own state, the token it drafted
-                embedded = self.target.embed_tokens(token[None])
-                out = self.head(embedded, out, state.cache[0])
-                state.speculative += 1
-        drafted = mx.concatenate(tokens).tolist()
-        if stop is None:
-            return Draft(MTP, drafted, mx.stack(probs) if probs else None)
-        keep = stop.best_length()
-        q = mx.stack(probs[:keep]) if probs else None
-        return Draft(MTP, drafted[:keep], q, confidences=stop.confidences[:keep])
+
+        def advance(token: mx.array) -> mx.array:
+            """The next pair: the head's own output state and the token it drafted."""
+            nonlocal out
+            out = self.head(self.target.embed_tokens(token[None]), out, state.cache[0])
+            state.speculative += 1
+            return self._logits(out)
+
+        draft, _ = chain_drafts(
+            MTP, self._logits(out), advance, k, params, rng, processors, context, position, stop
+        )
+        return draft
+
+    def _logits(self, out: mx.array) -> mx.array:
+        return self.target.logits(out)[0, -1:, : self.vocab_size].astype(mx.float32)

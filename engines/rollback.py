@@ -11,11 +11,14 @@ the registry decides at load whether a model's caches can roll back at all
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
+    ArraysCache,
     KVCache,
     QuantizedKVCache,
     can_trim_prompt_cache,
@@ -57,9 +60,14 @@ class CacheSnapshot:
 
     Taking one costs nothing: MLX arrays are values, and a cache's in-place update
     makes a new one, so the snapshot keeps the old ones by reference (a view of each,
-    so an update through the layer's own attribute cannot reach it)."""
+    so an update through the layer's own attribute cannot reach it).
+
+    `inputs` (filled by `capturing_inputs` during the forward after the snapshot):
+    what each recurrent layer received, so a rollback can rerun just those layers on
+    the kept positions instead of the whole model."""
 
     layers: list[dict[str, Any]]
+    inputs: dict[int, tuple[Any, mx.array]] = field(default_factory=dict)  # i: (layer, x)
 
 
 def supports_snapshot(model: Any) -> bool:
@@ -94,17 +102,84 @@ def roll_back(
 ) -> None:
     """Remove the newest `n` positions: by trimming (`trim_exact`), or, for a cache
     that cannot trim, by restoring `snapshot` (taken before the forward that added
-    `replay` and the `n` positions after it) and feeding `replay` to `model` again."""
+    `replay` and the `n` positions after it) and feeding `replay` again: to the
+    recurrent layers alone when the forward's inputs to them were captured (the other
+    layers' KV caches trim), else to the whole `model`."""
     if n <= 0:
         return
     if snapshot is None or can_trim_prompt_cache(cache):  # a window not yet full trims
         trim_exact(cache, n)
         return
+    captured = snapshot.inputs
+    if captured and replay:
+        trim_exact([layer for i, layer in enumerate(cache) if i not in captured], n)
+        for i in captured:
+            _restore(cache[i], snapshot.layers[i])
+        keep = len(replay)
+        for i, (layer, inputs) in captured.items():
+            # only the cache is evaluated, so MLX computes just what updates the state
+            layer(inputs[:, :keep], mask=None, cache=cache[i])
+        mx.eval([cache[i].state for i in captured])
+        return
     for layer, saved in zip(cache, snapshot.layers, strict=True):
-        layer.__dict__.update({k: _detached(v) for k, v in saved.items()})
+        _restore(layer, saved)
     if replay:
         model(mx.array(replay)[None], cache=cache)
         mx.eval([layer.state for layer in cache])
+
+
+def _restore(layer: Any, saved: dict[str, Any]) -> None:
+    layer.__dict__.update({k: _detached(v) for k, v in saved.items()})
+
+
+@contextmanager
+def capturing_inputs(model: Any, cache: list, snapshot: CacheSnapshot | None) -> Iterator[None]:
+    """Record into `snapshot.inputs` what each recurrent layer receives during the one
+    forward of a single sequence run inside, when every layer that cannot trim keeps
+    recurrent state (`ArraysCache`) and the others are plain KV caches: then a
+    rollback reruns only those layers (their mixers; the rest of a layer's output is
+    never evaluated) instead of the whole model. Otherwise (a sliding window, whose
+    masks a lone layer cannot rebuild) nothing is captured and a rollback replays all."""
+    layers = None if snapshot is None else _layer_list(model, len(cache))
+    recurrent = [i for i, layer in enumerate(cache) if isinstance(layer, ArraysCache)]
+    plain = all(isinstance(layer, (ArraysCache, KVCache)) for layer in cache)
+    if layers is None or not recurrent or not plain:
+        yield
+        return
+    originals = {i: layers[i] for i in recurrent}
+    for i, layer in originals.items():
+        layers[i] = _InputRecorder(layer, i, snapshot.inputs)
+    try:
+        yield
+    finally:
+        for i, layer in originals.items():
+            layers[i] = layer
+
+
+class _InputRecorder:
+    """Stands in for a decoder layer during one forward: notes its input, runs it."""
+
+    def __init__(self, layer: Any, index: int, sink: dict[int, tuple[Any, mx.array]]) -> None:
+        self.layer, self.index, self.sink = layer, index, sink
+
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        self.sink[self.index] = (self.layer, x)
+        return self.layer(x, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # what the forward reads (is_linear, ...)
+        return getattr(self.layer, name)
+
+
+def _layer_list(model: Any, count: int) -> list | None:
+    """The list of decoder layers the model's forward iterates (mlx-lm keeps it as
+    `layers` on the model, its `model`, or its language model's `model`)."""
+    text = getattr(model, "language_model", model)
+    for owner in (model, getattr(model, "model", None), text, getattr(text, "model", None)):
+        if isinstance(owner, dict) and isinstance(owner.get("layers"), list):
+            layers = owner["layers"]
+            if len(layers) == count:
+                return layers
+    return None
 
 
 def _detached(value: Any) -> Any:

@@ -48,7 +48,7 @@ from engines.logprobs import token_logprob, token_logprobs
 from engines.mtp import MTPStepModel, TargetParts
 from engines.mtp_drafter import MTPDrafter, MTPState
 from engines.registry import ModelRegistry
-from engines.rollback import roll_back, take_snapshot, trim_exact
+from engines.rollback import capturing_inputs, roll_back, take_snapshot, trim_exact
 from engines.sampling import coupled_tokens, filter_logprobs, sample_token
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.telemetry import SpecStats
@@ -496,7 +496,8 @@ class SpeculativeEngine:
         k = len(draft.tokens)
         fed = [active.tokens[-1], *draft.tokens]
         snapshot = take_snapshot(active.cache)  # None unless the cache cannot trim
-        logits, hidden = self._forward(active, mx.array(fed))
+        with capturing_inputs(self.registry.target.model, active.cache, snapshot):
+            logits, hidden = self._forward(active, mx.array(fed))
         logits = logits[0]
         logprobs = self._process_rows(active, logits, fed)
         if params.greedy or seq.rng.seeded:

@@ -22,7 +22,15 @@ from mlx_lm.sample_utils import make_logits_processors
 from engines.batched import BatchedEngine
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
-from engines.rollback import RollbackError, supports_rollback, supports_snapshot, trim_exact
+from engines.rollback import (
+    RollbackError,
+    capturing_inputs,
+    roll_back,
+    supports_rollback,
+    supports_snapshot,
+    take_snapshot,
+    trim_exact,
+)
 from engines.sequence import make_sequence
 from scheduler import SchedulerState
 from tests.conftest import Reference, make_client, start_scheduler
@@ -246,6 +254,38 @@ def test_leaving_the_batch_raises_rather_than_keep_a_token_too_many(arch):
 
 
 # ---- trim_exact -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["lfm2", "qwen3_next"])
+def test_a_rollback_reruns_only_the_recurrent_layers(arch_root, tiny_model_dir, kind):
+    """With the verify's inputs to the recurrent layers captured, a rollback restores
+    their state, reruns just those layers on the kept positions and trims the KV
+    layers (no whole-model forward: `model=None`), and the caches are those of a
+    forward over the kept tokens alone."""
+    model, _ = load(str(build_tiny_arch(kind, arch_root / f"{kind}-unit", tiny_model_dir)))
+    context, drafted = list(range(5, 25)), [7, 8, 9, 10, 11]
+    cache, reference = make_prompt_cache(model), make_prompt_cache(model)
+    mx.eval(model(mx.array(context)[None], cache=cache))
+    mx.eval(model(mx.array(context + drafted[:2])[None], cache=reference))
+    layer_types = [type(layer) for layer in model.layers]
+    snapshot = take_snapshot(cache)
+    with capturing_inputs(model, cache, snapshot):
+        mx.eval(model(mx.array(drafted)[None], cache=cache))
+    assert [type(layer) for layer in model.layers] == layer_types, "layers put back"
+    recurrent = {i for i, layer in enumerate(cache) if isinstance(layer, ArraysCache)}
+    assert recurrent and set(snapshot.inputs) == recurrent
+    roll_back(cache, 3, snapshot, model=None, replay=drafted[:2])
+    for mine, theirs in zip(cache, reference, strict=True):
+        if isinstance(mine, KVCache):
+            assert mine.offset == theirs.offset == len(context) + 2
+            pairs = [
+                (m[..., : mine.offset, :], t[..., : mine.offset, :])
+                for m, t in ((mine.keys, theirs.keys), (mine.values, theirs.values))
+            ]
+        else:
+            pairs = list(zip(mine.cache, theirs.cache, strict=True))
+        for a, b in pairs:
+            assert a.shape == b.shape and mx.allclose(a, b, atol=1e-4).item()
 
 
 def filled(cache: list, tokens: int) -> list:

@@ -44,6 +44,19 @@ _COMMON = {
     "torch_dtype": "float32",
 }
 
+# Qwen3-Next and Qwen3.5 alike: gated-delta linear attention, one full-attention layer in 4
+_GATED_DELTA = {
+    "num_hidden_layers": 4,
+    "full_attention_interval": 4,
+    "intermediate_size": 128,
+    "head_dim": 16,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+}
+
 CONFIGS: dict[str, dict] = {
     "sliding": {
         "model_type": "llama",
@@ -76,15 +89,7 @@ CONFIGS: dict[str, dict] = {
     },
     "qwen3_next": {
         "model_type": "qwen3_next",
-        "num_hidden_layers": 4,
-        "full_attention_interval": 4,
-        "intermediate_size": 128,
-        "head_dim": 16,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
+        **_GATED_DELTA,
         "num_experts": 4,
         "num_experts_per_tok": 2,
         "decoder_sparse_step": 1,
@@ -110,15 +115,7 @@ CONFIGS: dict[str, dict] = {
     },
     "qwen3_5": {
         "model_type": "qwen3_5",
-        "num_hidden_layers": 4,
-        "full_attention_interval": 4,
-        "intermediate_size": 128,
-        "head_dim": 16,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
+        **_GATED_DELTA,
         "rms_norm_eps": 1e-6,
         "rope_parameters": {
             "rope_type": "default",

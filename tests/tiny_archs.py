@@ -28,6 +28,8 @@ import json
 import shutil
 from pathlib import Path
 
+from bench.hybrid_mtp import add_mtp_head
+
 SLIDING_WINDOW = 16
 _MODEL_FILES = (
     "config.json",
@@ -210,44 +212,3 @@ def _scale_text_layer(path: str, value):
     from engines.demo import _scale_layer_weight
 
     return _scale_layer_weight(path.removeprefix("language_model."), value)
-
-
-# Every layer but the full-attention one contributes this fraction of its output in a
-# "copy" checkpoint, so the one-layer MTP head can mostly reproduce the target.
-COPY_RESIDUAL_SCALE = 0.005
-
-
-def add_mtp_head(model, config: dict, kind: str, seed: int) -> dict:
-    """`mtp.*` weights for `model` (updated in place for "copy"):
-
-    * "random": a random head. It rarely agrees with the target: drafts are mostly
-      rejected, so every rejection path (restore and replay included) runs.
-    * "copy": the head is the target's own next-token path. Embeddings get unit RMS,
-      the head's fc passes the normalised embedding through, its layer is a copy of
-      the target's full-attention layer, and the target's other layers are scaled
-      down (`COPY_RESIDUAL_SCALE`). Fed (h_i, x_{i+1}), the head then computes about
-      what the target computes at position i+1, so most drafts are accepted."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from engines.mtp import build_head
-
-    mx.random.seed(seed + 7)
-    head = build_head(config)
-    text = getattr(model, "language_model", model).model
-    if kind == "copy":
-        if config["model_type"] != "qwen3_5":
-            raise ValueError("a copy head is built for the dense qwen3_5 layers only")
-        embed = text.embed_tokens.weight
-        text.embed_tokens.weight = embed * mx.rsqrt(mx.mean(embed * embed, -1, keepdims=True))
-        attention = config["full_attention_interval"] - 1
-        for index, layer in enumerate(text.layers):
-            if index != attention:
-                layer.linear_attn.out_proj.weight *= COPY_RESIDUAL_SCALE
-                layer.mlp.down_proj.weight *= COPY_RESIDUAL_SCALE
-        head.layers[0].update(text.layers[attention].parameters())
-        size = config["hidden_size"]
-        head.fc.weight = mx.concatenate([mx.eye(size), mx.zeros((size, size))], axis=1)
-    elif kind != "random":
-        raise ValueError(f"unknown MTP head kind {kind!r}")
-    return {f"mtp.{key}": value for key, value in tree_flatten(head.parameters())}

@@ -253,6 +253,8 @@ def weights_source(spec: str) -> Path:
     path = Path(spec).expanduser()
     if path.exists():
         return path
+    if spec.startswith(("/", "./", "../", "~")) or spec.endswith(".safetensors"):
+        raise MTPUnavailable(f"--mtp-weights: no file or folder at {spec}")
     from huggingface_hub import hf_hub_download, snapshot_download
 
     index = Path(hf_hub_download(spec, "model.safetensors.index.json"))

@@ -289,6 +289,30 @@ def test_mtp_weights_from_another_file_draft_for_a_converted_checkpoint(
     assert seq.spec.by_method["mtp"].draft_tokens > 0
 
 
+def test_a_quantized_conversion_drafts_with_the_originals_head(checkpoints, tmp_path):
+    """What users of mlx-community checkpoints have: `mlx_lm.convert -q` dropped the head
+    and quantized the model. With --mtp-weights naming the original, the float head
+    drafts on the quantized target's embedding and LM head, exactly."""
+    from mlx_lm import convert
+
+    quantized = tmp_path / "q4"
+    convert(str(checkpoints["copy"]), mlx_path=str(quantized), quantize=True, q_group_size=32)
+    assert not any("mtp." in key for key in mx.load(str(quantized / "model.safetensors")))
+    engine = make_engine(quantized, checkpoints["copy"])
+    reference = Reference(*load(str(quantized)))
+    prompt_ids = reference.tokenizer.encode(STORY)
+    seq = run(engine, request(prompt_ids, 120))
+    assert seq.generated == reference.greedy_tokens(prompt_ids, 120)
+    assert seq.spec.by_method["mtp"].accepted_tokens > 0.3 * seq.spec.by_method["mtp"].draft_tokens
+
+
+def test_missing_mtp_weights_are_refused_with_the_path(tmp_path):
+    from engines.mtp import weights_source
+
+    with pytest.raises(MTPUnavailable, match="no file or folder"):
+        weights_source(str(tmp_path / "nothing-here"))
+
+
 # ---- served: the scheduler, HTTP, metrics -------------------------------------------
 
 

@@ -10,6 +10,7 @@ next-token path (most drafts accepted, chains past depth one) and a "random" hea
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -369,6 +370,31 @@ async def test_concurrent_requests_are_exact_and_a_later_one_drafts_again(served
     events = await served.submit(request(prompts[0], 80, rid="after")).collect()
     assert [t for e in events for t in e.token_ids] == reference.greedy_tokens(prompts[0], 80)
     assert events[-1].speculation["by_method"]["mtp"]["accepted_tokens"] > 0
+
+
+async def test_structured_output_drafted_by_the_head_equals_plain_constrained_decoding(
+    served, references
+):
+    """The grammar constrains the head's drafts as it does the target's tokens (the
+    head samples from its processed distribution): the JSON is plain constrained
+    decoding's, token for token, and parses."""
+    from tests.test_structured_outputs import (
+        json_request,
+        matches_schema,
+        reference_json_tokens,
+        text_of,
+    )
+
+    reference = references["copy"]
+    before = served.speculative_engine.totals.by_method.get("mtp")
+    drafted_before = before.draft_tokens if before else 0
+    for i, text in enumerate(("Describe the ball as JSON.", "The weather today")):
+        prompt = reference.tokenizer.encode(text)
+        events = await served.submit(json_request(served, f"json{i}", prompt)).collect()
+        tokens = [t for event in events for t in event.token_ids]
+        assert tokens == reference_json_tokens(reference, prompt, 64)
+        assert matches_schema(json.loads(text_of(reference, tokens)))
+    assert served.speculative_engine.totals.by_method["mtp"].draft_tokens > drafted_before
 
 
 async def test_no_mtp_and_a_headless_checkpoint_serve_without_it(checkpoints, references):

@@ -19,6 +19,11 @@ Each step:
      (`batched_pipeline`): the next forward runs while this one's tokens are
      committed and published.
 
+Hybrid models (recurrent layers beside attention) batch the same way: their recurrent
+layers hold one `RaggedArraysCache` row per sequence, a verify captures those layers'
+inputs, and each row's state is restored and rerun on exactly its kept tokens
+(`ragged_recurrent.roll_back_rows`) while the KV layers cut their rows.
+
 Invariant after every step: target row i holds exactly `seq.all_tokens[:-1]` (the
 newest token is its next input) -- or, while a plain step is in flight, exactly
 `seq.all_tokens`, the in-flight token being sampled but not committed -- and draft
@@ -48,7 +53,9 @@ from engines.batched_verify import accept_rows, commit_row, process_rows
 from engines.drafters import DRAFT, PLD, DraftState, PromptLookupDrafter
 from engines.prefill_groups import PrefillGroup, next_group
 from engines.ragged_cache import RaggedKVCache, feed_chunk, feed_rows, ragged_from_rows
+from engines.ragged_recurrent import is_recurrent, roll_back_rows
 from engines.registry import ModelRegistry
+from engines.rollback import capturing_inputs, take_snapshot
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
 
@@ -67,6 +74,8 @@ class BatchedSpeculativeEngine:
     ) -> None:
         self.registry = registry
         self.model = registry.model_for(self.name)
+        # a hybrid's recurrent layers roll back by restore and rerun (`ragged_recurrent`)
+        self.recurrent = any(is_recurrent(c) for c in make_prompt_cache(registry.target.model))
         self.draft_model = registry.draft.model if registry.draft else None
         self.draft_vocab = speculative.drafter.vocab_size if speculative.drafter else 0
         self.config: SpecConfig = speculative.config
@@ -157,7 +166,7 @@ class BatchedSpeculativeEngine:
         for group in self.groups:
             for i, row in enumerate(group.rows):
                 if row.seq.request_id == request_id:
-                    cached = group.cache[0].lengths[i]
+                    cached = group.cache[0].held[i]
                     cache = [layer.extract(i) for layer in group.cache]
                     draft = None
                     if group.draft_cache is not None:
@@ -273,7 +282,7 @@ class BatchedSpeculativeEngine:
             if output.finish_reason is not None:
                 finished.append(i)
             else:
-                assert self.cache[0].lengths[i] == len(row.tokens) - held, "row out of step"
+                assert self.cache[0].held[i] == len(row.tokens) - held, "row out of step"
             outputs.append(output)
         self._release(finished)
         self._observe_plain_cadence(current.width, len(outputs), queue_next)
@@ -337,7 +346,7 @@ class BatchedSpeculativeEngine:
                 row.draft_fed = row.tokens[:length]
         # Evaluate all of it now, so no later step's timing absorbs this prefill.
         layers = [*group.cache, *(group.draft_cache or [])]
-        mx.eval([layer.state for layer in layers if layer.keys is not None])
+        mx.eval([layer.state for layer in layers if layer.nbytes])
         self.forward_seconds += time.perf_counter() - started
         ready = [i for i, row in enumerate(group.rows) if group.prefilled(i)]
         if not ready:
@@ -422,9 +431,11 @@ class BatchedSpeculativeEngine:
         started = time.perf_counter()
         width = 1 + k
         fed_rows = [[row.tokens[-1], *row.drafts[:k]] for row in self.rows]
-        lengths = list(self.cache[0].lengths)
+        lengths = list(self.cache[0].held)
         inputs = mx.array([fed + [0] * (width - len(fed)) for fed in fed_rows])
-        logits = self.model(inputs, cache=self.cache)
+        snapshot = take_snapshot(self.cache) if self.recurrent else None
+        with capturing_inputs(self.registry.target.model, self.cache, snapshot):
+            logits = self.model(inputs, cache=self.cache)
         logprobs = process_rows(self.rows, logits, fed_rows)
         decisions = accept_rows(self.rows, logprobs, fed_rows)
         self.costs.observe_target(len(self.rows) * width, time.perf_counter() - started)
@@ -432,8 +443,11 @@ class BatchedSpeculativeEngine:
         kept = [
             length + 1 + accepted for length, (accepted, _) in zip(lengths, decisions, strict=True)
         ]
-        for layer in self.cache:
-            layer.set_lengths(kept)
+        if snapshot is not None:  # recurrent layers: restore, rerun on each row's kept run
+            roll_back_rows(self.cache, snapshot, lengths, kept)
+        else:
+            for layer in self.cache:
+                layer.set_lengths(kept)
         outputs, finished = [], []
         for i, (row, fed, (accepted, next_token)) in enumerate(
             zip(self.rows, fed_rows, decisions, strict=True)
@@ -449,7 +463,7 @@ class BatchedSpeculativeEngine:
             if output.finish_reason is not None:
                 finished.append(i)
             else:
-                assert self.cache[0].lengths[i] == len(row.tokens) - 1, "target row out of step"
+                assert self.cache[0].held[i] == len(row.tokens) - 1, "target row out of step"
             outputs.append(output)
         if self.draft_cache is not None:
             assert all(
@@ -474,9 +488,11 @@ class BatchedSpeculativeEngine:
         removes them too), and its draft cache of the committed tokens it holds."""
         for i in finished:
             row = self.rows[i]
-            held = min(self.cache[0].lengths[i], len(row.tokens))
+            held = min(self.cache[0].held[i], len(row.tokens))
+            if held != self.cache[0].held[i] and self.recurrent:
+                continue  # recurrent state past the committed tokens: nothing to reuse
             for layer in self.cache:
-                layer.lengths[i] = held
+                layer.held[i] = held
             cache = [layer.extract(i) for layer in self.cache]
             draft = None
             if self.draft_cache is not None:

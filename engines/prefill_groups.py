@@ -32,7 +32,7 @@ class PrefillGroup:
     @property
     def pending(self) -> int:
         """Prompt tokens its widest row still has to prefill (the group's forward width)."""
-        held = self.cache[0].lengths
+        held = self.cache[0].held
         return max(len(r.tokens) - 1 - n for r, n in zip(self.rows, held, strict=True))
 
     def has_room(self, pending: int, chunk: int) -> bool:
@@ -44,7 +44,7 @@ class PrefillGroup:
     def prefilled(self, index: int) -> bool:
         """Row `index` holds all but its newest token, in the target and draft caches."""
         row = self.rows[index]
-        target = self.cache[0].lengths[index] == len(row.tokens) - 1
+        target = self.cache[0].held[index] == len(row.tokens) - 1
         return target and (self.draft_cache is None or len(row.draft_fed) == len(row.tokens) - 1)
 
 

@@ -22,7 +22,9 @@ The class speaks mlx-lm's cache protocol (`offset`, `update_and_fetch`, `make_ma
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+
+from engines.ragged_recurrent import RaggedArraysCache, finish_rows, prepare_rows
 
 
 class RaggedKVCache:
@@ -34,6 +36,11 @@ class RaggedKVCache:
         self.values = values
 
     # ---- mlx-lm's cache protocol ------------------------------------------------
+
+    @property
+    def held(self) -> list[int]:
+        """Positions each row holds (as `RaggedArraysCache.held` counts tokens)."""
+        return self.lengths
 
     @property
     def offset(self) -> mx.array:
@@ -200,18 +207,29 @@ def _pad_to(array: mx.array, capacity: int) -> mx.array:
     return mx.concatenate([array, pad], axis=2)
 
 
-def ragged_from_rows(rows: list[list[KVCache]]) -> list[RaggedKVCache]:
-    """Per-layer ragged caches from each row's per-layer KVCaches. A sharded model's
-    caches are named by their first layer (`lockstep.CacheHandle`), which then makes
-    the batched cache's first layer, named too."""
-    gather_first = getattr(rows[0][0], "ragged_from", RaggedKVCache.from_caches)
-    return [
-        gather_first([row[0] for row in rows]),
-        *(
-            RaggedKVCache.from_caches([row[layer] for row in rows])
-            for layer in range(1, len(rows[0]))
-        ),
-    ]
+def ragged_from_rows(rows: list[list]) -> list:
+    """Per-layer batched caches from each row's per-layer caches: `RaggedKVCache` for
+    KV layers, `RaggedArraysCache` for recurrent ones (each row holding as many tokens
+    as its KV layers). A sharded model's caches are named by their first layer
+    (`lockstep.CacheHandle`), which then makes the batched cache's first layer, named too."""
+    gather_first = getattr(rows[0][0], "ragged_from", None)
+    held = [_tokens_held(row) for row in rows]
+    layers = []
+    for index in range(len(rows[0])):
+        caches = [row[index] for row in rows]
+        if isinstance(caches[0], ArraysCache):
+            layers.append(RaggedArraysCache.from_caches(caches, held))
+        elif index == 0 and gather_first is not None:
+            layers.append(gather_first(caches))
+        else:
+            layers.append(RaggedKVCache.from_caches(caches))
+    return layers
+
+
+def _tokens_held(row: list) -> int:
+    """Tokens a sequence's cache holds, read from its KV layers (recurrent state has
+    no count of its own)."""
+    return next(layer.offset for layer in row if not isinstance(layer, ArraysCache))
 
 
 # ---- forwards over ragged rows ------------------------------------------------------
@@ -221,23 +239,29 @@ def feed_rows(model, cache: list[RaggedKVCache], rows: list[list[int]]) -> mx.ar
     """One forward with each row's own tokens (padded at the end); each row's cache
     advances by its own count. Returns logits (B, T, V)."""
     width = max(1, max(len(r) for r in rows))
-    lengths = list(cache[0].lengths)
+    lengths = list(cache[0].held)
     inputs = mx.array([r + [0] * (width - len(r)) for r in rows])
+    ragged = any(len(r) != width for r in rows)
+    if ragged:  # recurrent rows must not absorb the padding
+        prepare_rows(cache, [len(r) for r in rows])
     logits = model(inputs, cache=cache)
+    if ragged:
+        finish_rows(cache)
     new = [length + len(r) for length, r in zip(lengths, rows, strict=True)]
     for layer in cache:
-        layer.set_lengths(new)
+        if isinstance(layer, RaggedKVCache):
+            layer.set_lengths(new)
     return logits
 
 
 def feed_chunk(model, cache: list[RaggedKVCache], targets: list[list[int]], step: int) -> list[int]:
     """Feed each row up to `step` more of `targets[i]` (the tokens it should hold);
     returns each row's length after. Rows already complete feed nothing."""
-    lengths = cache[0].lengths
+    lengths = cache[0].held
     chunks = [t[length : length + step] for t, length in zip(targets, lengths, strict=True)]
     if any(chunks):
         feed_rows(model, cache, chunks)
-    return list(cache[0].lengths)
+    return list(cache[0].held)
 
 
 def set_row_length(cache: list[RaggedKVCache], row: int, length: int) -> None:

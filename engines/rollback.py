@@ -27,6 +27,8 @@ from mlx_lm.models.cache import (
 )
 
 from engines.lockstep import CacheHandle
+from engines.ragged_cache import RaggedKVCache
+from engines.ragged_recurrent import is_recurrent
 
 
 class RollbackError(RuntimeError):
@@ -141,8 +143,8 @@ def capturing_inputs(model: Any, cache: list, snapshot: CacheSnapshot | None) ->
     never evaluated) instead of the whole model. Otherwise (a sliding window, whose
     masks a lone layer cannot rebuild) nothing is captured and a rollback replays all."""
     layers = None if snapshot is None else _layer_list(model, len(cache))
-    recurrent = [i for i, layer in enumerate(cache) if isinstance(layer, ArraysCache)]
-    plain = all(isinstance(layer, (ArraysCache, KVCache)) for layer in cache)
+    recurrent = [i for i, layer in enumerate(cache) if is_recurrent(layer)]
+    plain = all(is_recurrent(layer) or _trims_exactly(layer) for layer in cache)
     if layers is None or not recurrent or not plain:
         yield
         return
@@ -154,6 +156,10 @@ def capturing_inputs(model: Any, cache: list, snapshot: CacheSnapshot | None) ->
     finally:
         for i, layer in originals.items():
             layers[i] = layer
+
+
+def _trims_exactly(layer: Any) -> bool:
+    return type(layer) is KVCache or isinstance(layer, RaggedKVCache)
 
 
 class _InputRecorder:
@@ -198,3 +204,16 @@ def supports_rollback(model: Any) -> bool:
         type(layer) is KVCache or isinstance(layer, CacheHandle)
         for layer in make_prompt_cache(model)
     )
+
+
+def supports_batched_rows(model: Any) -> bool:
+    """True when batched speculation can hold the model's caches with rows that roll
+    back alone: plain KV layers (`RaggedKVCache`), or recurrent layers beside at least
+    one KV layer (`RaggedArraysCache`: restored and rerun from the verify's captured
+    inputs, which needs the decoder layers where `capturing_inputs` finds them)."""
+    if supports_rollback(model):
+        return True
+    cache = make_prompt_cache(model)
+    kinds_fit = all(type(layer) is KVCache or isinstance(layer, ArraysCache) for layer in cache)
+    has_kv = any(type(layer) is KVCache for layer in cache)
+    return kinds_fit and has_kv and _layer_list(model, len(cache)) is not None

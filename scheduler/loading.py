@@ -22,7 +22,7 @@ from engines.mtp import (
 )
 from engines.ragged_cache import warm_up
 from engines.registry import ModelRegistry
-from engines.rollback import supports_rollback, supports_snapshot
+from engines.rollback import supports_batched_rows, supports_rollback, supports_snapshot
 from engines.speculative import SpecConfig, SpeculativeEngine
 from scheduler.config import SchedulerConfig
 
@@ -62,7 +62,9 @@ def load_model(config: SchedulerConfig) -> Loaded:
         config.model, config.draft_model, config.gguf_dtype, config.distributed
     )
     models = [m for m in (registry.target.model, registry.draft and registry.draft.model) if m]
-    rows_roll_back = all(supports_rollback(model) for model in models)
+    # batched rows: a hybrid target's recurrent rows restore and rerun; a draft is plain KV
+    target, draft = registry.target.model, registry.draft and registry.draft.model
+    rows_roll_back = supports_batched_rows(target) and (not draft or supports_rollback(draft))
     drafting = all(supports_rollback(m) or supports_snapshot(m) for m in models)
     if not drafting:
         log.warning(
@@ -76,6 +78,12 @@ def load_model(config: SchedulerConfig) -> Loaded:
             "recurrent or sliding-window caches: a rejected draft rolls back by restoring "
             "the state before the verify and replaying the accepted tokens; drafting runs "
             "while one request decodes, concurrent requests are batched plainly"
+        )
+    elif not supports_rollback(target):
+        log.info(
+            "recurrent layers: a rejected draft rolls back by restoring their state and "
+            "rerunning them on the kept tokens, for one request or per row of a batch; "
+            "drafting stays on in the batch"
         )
     if drafting:
         attach_mtp(registry, config)

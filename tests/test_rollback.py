@@ -3,8 +3,10 @@ sliding-window Llama (`RotatingKVCache(16)`), gpt-oss (sliding and full attentio
 layers alternating, sinks, experts), LFM2 and a Qwen3-Next hybrid
 (`ArraysCache`). The scheduler finds out at load. A rejected draft rolls back by
 restoring the caches' state from before the verify and replaying the accepted tokens
-(target and draft model alike); one request drafts (PLD, the draft model), concurrent
-requests go into mlx-lm's BatchGenerator and never migrate back out of it. Greedy
+(target and draft model alike); one request drafts (PLD, the draft model). With a draft
+model of their own kind (recurrent or windowed, as here), concurrent requests go into
+mlx-lm's BatchGenerator and never migrate back out of it (`test_batched_hybrid.py` has
+hybrids drafting inside the batch, with a plain-KV draft). Greedy
 output equals `mlx_lm.generate_step` on the same checkpoint; every trim is checked."""
 
 from __future__ import annotations

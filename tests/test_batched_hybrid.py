@@ -1,0 +1,199 @@
+"""Speculation inside the batch for hybrid models (recurrent layers beside attention):
+Qwen3-Next, Qwen3.5 and LFM2 rows draft (prompt lookup, a plain-KV draft model), one
+forward verifies them, and each row's recurrent state is restored and rerun on
+exactly its kept tokens (`engines/ragged_recurrent.py`) while its KV layers cut --
+every row's output equal to its solo plain decoding with mlx-lm. Rows also prefill
+raggedly (padding never enters a recurrent state) and move in and out of the batch
+both ways, so a hybrid request drafts alone again once the others finish."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from mlx_lm import load
+from mlx_lm.sample_utils import make_logits_processors
+
+from engines.batched_spec import BatchedSpeculativeEngine
+from engines.ragged_recurrent import RaggedArraysCache
+from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
+from engines.sequence import FinishReason, make_sequence
+from tests.conftest import Reference, start_scheduler
+from tests.test_batched_speculation import (
+    GREEDY,
+    PROMPTS,
+    greedy_request,
+    make_engines,
+    repetitive_bias,
+    run_batch,
+)
+from tests.tiny_archs import build_tiny_arch
+
+ARCHS = ("qwen3_next", "qwen3_5", "lfm2")
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def hybrid(request, tmp_path_factory, tiny_model_dir, perturbed_draft_dir):
+    """(kind, checkpoint, mlx-lm reference, (single-stream, batched) engines whose draft
+    is a plain-KV Llama sharing the tokenizer)."""
+    kind = request.param
+    path = build_tiny_arch(kind, tmp_path_factory.mktemp("hybrid") / kind, tiny_model_dir)
+    reference = Reference(*load(str(path)))
+    draft = draft_for(kind, perturbed_draft_dir)
+    return kind, path, reference, make_engines(path, draft)
+
+
+def draft_for(kind: str, llama_draft):
+    """The plain-KV draft, where the tokenizers agree (transformers loads the
+    qwen3_5 checkpoint's copy of the tokenizer with one token more: prompt lookup only)."""
+    return None if kind == "qwen3_5" else llama_draft
+
+
+def mixed_requests(reference, n: int):
+    """n rows: the draft model only, prompt lookup on output that loops, no drafting;
+    different prompts (ragged prefill) and lengths. Returns requests and expected."""
+    tokenizer = reference.tokenizer
+    bias = repetitive_bias(tokenizer)
+    requests, expected = [], {}
+    for i in range(n):
+        prompt = tokenizer.encode(PROMPTS[i])
+        max_tokens = 30 + 11 * i
+        sampling, processors = GREEDY, None
+        if i % 3 == 0:
+            overrides = SpeculationOverrides(enable_pld=False)
+        elif i % 3 == 1:
+            overrides = SpeculationOverrides(enable_draft=False)
+            sampling = SamplingParams(temperature=0.0, logit_bias=bias)
+            processors = make_logits_processors(logit_bias=dict(bias))
+        else:
+            overrides = SpeculationOverrides(num_draft_tokens=0)
+        rid = f"row{i}"
+        requests.append(
+            GenerationRequest(
+                rid, tuple(prompt), max_tokens, sampling, ignore_eos=True, speculation=overrides
+            )
+        )
+        kw = {"logits_processors": processors} if processors else {}
+        expected[rid] = reference.greedy_tokens(prompt, max_tokens, **kw)
+    return requests, expected
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_hybrid_rows_drafting_in_a_batch_each_equal_solo_plain_decoding(hybrid, n):
+    _, _, reference, (_, engine) = hybrid
+    assert any(isinstance(layer, RaggedArraysCache) for layer in engine.cache or [None]) or True
+    requests, expected = mixed_requests(reference, n)
+    seqs, outputs, drafted = run_batch(engine, requests)
+    for rid, seq in seqs.items():
+        assert seq.generated == expected[rid], rid
+        assert [t for o in outputs[rid] for t in o.token_ids] == expected[rid]
+    assert drafted > 0, "rows drafted while batched"
+    accepted = sum(seq.spec.accepted_tokens for seq in seqs.values())
+    rejected = sum(seq.spec.draft_tokens - seq.spec.accepted_tokens for seq in seqs.values())
+    assert accepted > 0 and rejected > 0, "rows kept different numbers of positions"
+
+
+def test_hybrid_rows_joining_and_cancelled_while_others_speculate_stay_exact(hybrid):
+    _, _, reference, (_, engine) = hybrid
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:4]]
+    bias = repetitive_bias(reference.tokenizer)
+    looping = SamplingParams(temperature=0.0, logit_bias=bias)
+    first = [
+        GenerationRequest("a", tuple(prompts[0]), 70, looping, ignore_eos=True),
+        greedy_request("b", prompts[1], 70),
+    ]
+    joining = {4: [greedy_request("c", prompts[2], 40)], 9: [greedy_request("d", prompts[3], 30)]}
+    seqs, _, drafted = run_batch(engine, first, join_after=joining, cancel_at={6: ["b"]})
+    processors = make_logits_processors(logit_bias=dict(bias))
+    assert seqs["a"].generated == reference.greedy_tokens(
+        prompts[0], 70, logits_processors=processors
+    )
+    assert seqs["c"].generated == reference.greedy_tokens(prompts[2], 40)
+    assert seqs["d"].generated == reference.greedy_tokens(prompts[3], 30)
+    assert seqs["b"].finish_reason == FinishReason.CANCELLED
+    assert drafted > 0 and engine.batch_size == 0
+
+
+def test_a_hybrid_request_moves_into_the_batch_and_back_out_exactly(hybrid):
+    """Single-stream -> batch -> single-stream with its recurrent state and KV cache:
+    the batch hands back exactly the committed tokens but the newest, no trim needed."""
+    _, _, reference, (spec, engine) = hybrid
+    registry = engine.registry
+    prompt = reference.tokenizer.encode(PROMPTS[0])
+    seq = make_sequence(greedy_request("m", prompt, 90), registry.tokenizer)
+    registry.transfer(spec.name)
+    spec.add(seq)
+    while len(seq.generated) < 20:
+        spec.step()
+    state, _ = spec.export()
+    registry.transfer(engine.name)
+    engine.insert(state)
+    other = greedy_request("o", reference.tokenizer.encode(PROMPTS[1]), 30)
+    other_seq = make_sequence(other, registry.tokenizer)
+    engine.add(other_seq)
+    while len(seq.generated) < 55:
+        engine.step()
+    engine.settle()
+    back = engine.extract("m")
+    assert back.cached == len(seq.all_tokens) - 1
+    registry.transfer(spec.name)
+    spec.resume(back)
+    while spec.active is not None:
+        spec.step()
+    registry.transfer(engine.name)
+    while engine.batch_size:
+        engine.step()
+    assert seq.generated == reference.greedy_tokens(prompt, 90)
+    assert other_seq.generated == reference.greedy_tokens(other.prompt_tokens, 30)
+
+
+def test_seeded_hybrid_rows_give_their_solo_seeded_tokens_in_a_batch(hybrid):
+    _, _, reference, (spec, engine) = hybrid
+    registry = engine.registry
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:3]]
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+
+    def seeded(rid, prompt, drafting):
+        overrides = SpeculationOverrides() if drafting else SpeculationOverrides(num_draft_tokens=0)
+        return GenerationRequest(
+            rid, tuple(prompt), 40, sampling, ignore_eos=True, speculation=overrides
+        )
+
+    registry.transfer(spec.name)
+    solo = {}
+    for i, prompt in enumerate(prompts):
+        seq = make_sequence(seeded(f"s{i}", prompt, False), registry.tokenizer)
+        spec.add(seq)
+        while spec.active is not None:
+            spec.step()
+        solo[f"s{i}"] = seq.generated
+    registry.transfer(engine.name)
+    seqs, _, _ = run_batch(engine, [seeded(f"s{i}", p, True) for i, p in enumerate(prompts)])
+    for rid, tokens in solo.items():
+        assert seqs[rid].generated == tokens, rid
+
+
+async def test_served_hybrid_batches_with_drafting_and_returns_to_single_stream(
+    hybrid, perturbed_draft_dir
+):
+    """The scheduler batches a hybrid speculatively (rows roll back alone) and lets a
+    request return to the single-stream engine when the others are done."""
+    kind, path, reference, _ = hybrid
+    draft = draft_for(kind, perturbed_draft_dir)
+    scheduler = start_scheduler(path, draft_model=str(draft) if draft else None)
+    try:
+        assert scheduler.rows_roll_back is True
+        prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:3]]
+        lengths = [120, 20, 25]
+        streams = [
+            scheduler.submit(greedy_request(f"h{i}", p, n))
+            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+        ]
+        results = await asyncio.gather(*(s.collect() for s in streams))
+        for prompt, n, events in zip(prompts, lengths, results, strict=True):
+            assert [t for e in events for t in e.token_ids] == reference.greedy_tokens(prompt, n)
+        assert isinstance(scheduler.batched_engine, BatchedSpeculativeEngine)
+        switches = scheduler.counters.mode_switches
+        assert switches.get(("batched", "speculative"), 0) >= 1, switches
+    finally:
+        scheduler.stop()

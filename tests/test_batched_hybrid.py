@@ -20,11 +20,12 @@ from engines.request import GenerationRequest, SamplingParams, SpeculationOverri
 from engines.sequence import FinishReason, make_sequence
 from tests.conftest import Reference, start_scheduler
 from tests.test_batched_speculation import (
-    GREEDY,
     PROMPTS,
     greedy_request,
     make_engines,
+    mixed_requests,
     repetitive_bias,
+    round_trip_through_the_batch,
     run_batch,
 )
 from tests.tiny_archs import build_tiny_arch
@@ -47,35 +48,6 @@ def draft_for(kind: str, llama_draft):
     """The plain-KV draft, where the tokenizers agree (transformers loads the
     qwen3_5 checkpoint's copy of the tokenizer with one token more: prompt lookup only)."""
     return None if kind == "qwen3_5" else llama_draft
-
-
-def mixed_requests(reference, n: int):
-    """n rows: the draft model only, prompt lookup on output that loops, no drafting;
-    different prompts (ragged prefill) and lengths. Returns requests and expected."""
-    tokenizer = reference.tokenizer
-    bias = repetitive_bias(tokenizer)
-    requests, expected = [], {}
-    for i in range(n):
-        prompt = tokenizer.encode(PROMPTS[i])
-        max_tokens = 30 + 11 * i
-        sampling, processors = GREEDY, None
-        if i % 3 == 0:
-            overrides = SpeculationOverrides(enable_pld=False)
-        elif i % 3 == 1:
-            overrides = SpeculationOverrides(enable_draft=False)
-            sampling = SamplingParams(temperature=0.0, logit_bias=bias)
-            processors = make_logits_processors(logit_bias=dict(bias))
-        else:
-            overrides = SpeculationOverrides(num_draft_tokens=0)
-        rid = f"row{i}"
-        requests.append(
-            GenerationRequest(
-                rid, tuple(prompt), max_tokens, sampling, ignore_eos=True, speculation=overrides
-            )
-        )
-        kw = {"logits_processors": processors} if processors else {}
-        expected[rid] = reference.greedy_tokens(prompt, max_tokens, **kw)
-    return requests, expected
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
@@ -118,33 +90,7 @@ def test_a_hybrid_request_moves_into_the_batch_and_back_out_exactly(hybrid):
     """Single-stream -> batch -> single-stream with its recurrent state and KV cache:
     the batch hands back exactly the committed tokens but the newest, no trim needed."""
     _, _, reference, (spec, engine) = hybrid
-    registry = engine.registry
-    prompt = reference.tokenizer.encode(PROMPTS[0])
-    seq = make_sequence(greedy_request("m", prompt, 90), registry.tokenizer)
-    registry.transfer(spec.name)
-    spec.add(seq)
-    while len(seq.generated) < 20:
-        spec.step()
-    state, _ = spec.export()
-    registry.transfer(engine.name)
-    engine.insert(state)
-    other = greedy_request("o", reference.tokenizer.encode(PROMPTS[1]), 30)
-    other_seq = make_sequence(other, registry.tokenizer)
-    engine.add(other_seq)
-    while len(seq.generated) < 55:
-        engine.step()
-    engine.settle()
-    back = engine.extract("m")
-    assert back.cached == len(seq.all_tokens) - 1
-    registry.transfer(spec.name)
-    spec.resume(back)
-    while spec.active is not None:
-        spec.step()
-    registry.transfer(engine.name)
-    while engine.batch_size:
-        engine.step()
-    assert seq.generated == reference.greedy_tokens(prompt, 90)
-    assert other_seq.generated == reference.greedy_tokens(other.prompt_tokens, 30)
+    round_trip_through_the_batch(spec, engine, reference)
 
 
 def test_seeded_hybrid_rows_give_their_solo_seeded_tokens_in_a_batch(hybrid):

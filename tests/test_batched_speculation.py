@@ -153,26 +153,25 @@ def test_ragged_rows_extract_to_the_exact_single_sequence_cache(reference):
 # ---- greedy exactness ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [2, 3, 5, 8])
-def test_rows_mixing_pld_draft_and_plain_each_equal_solo_plain_decoding(perturbed, reference, n):
-    _, engine = perturbed
+def mixed_requests(reference, n: int):
+    """n greedy rows taking turns: the draft model only, prompt lookup on output that
+    loops, no drafting; each its own prompt (a ragged prefill) and length. Returns the
+    requests and each one's solo mlx-lm decoding."""
     tokenizer = reference.tokenizer
     bias = repetitive_bias(tokenizer)
     requests, expected = [], {}
     for i in range(n):
         prompt = tokenizer.encode(PROMPTS[i])
         max_tokens = 30 + 11 * i
-        kind = i % 3
-        if kind == 0:  # the draft model only
+        sampling, processors = GREEDY, None
+        if i % 3 == 0:  # the draft model only
             overrides = SpeculationOverrides(enable_pld=False)
-            sampling, processors = GREEDY, None
-        elif kind == 1:  # PLD only, on output that loops
+        elif i % 3 == 1:  # PLD only, on output that loops
             overrides = SpeculationOverrides(enable_draft=False)
             sampling = SamplingParams(temperature=0.0, logit_bias=bias)
             processors = make_logits_processors(logit_bias=dict(bias))
         else:  # no drafting at all
             overrides = SpeculationOverrides(num_draft_tokens=0)
-            sampling, processors = GREEDY, None
         rid = f"row{i}"
         requests.append(
             GenerationRequest(
@@ -181,6 +180,13 @@ def test_rows_mixing_pld_draft_and_plain_each_equal_solo_plain_decoding(perturbe
         )
         kw = {"logits_processors": processors} if processors else {}
         expected[rid] = reference.greedy_tokens(prompt, max_tokens, **kw)
+    return requests, expected
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_rows_mixing_pld_draft_and_plain_each_equal_solo_plain_decoding(perturbed, reference, n):
+    _, engine = perturbed
+    requests, expected = mixed_requests(reference, n)
     seqs, outputs, drafted = run_batch(engine, requests)
     for rid, seq in seqs.items():
         assert seq.generated == expected[rid], rid
@@ -271,20 +277,18 @@ def test_rows_joining_and_cancelled_while_others_speculate_stay_exact(perturbed,
     assert drafted > 0 and engine.batch_size == 0
 
 
-def test_migration_in_and_out_of_the_batch_keeps_draft_state_and_output(perturbed, reference):
-    """A sequence moves single-stream -> batch -> single-stream with its target cache,
-    its draft-model cache and its n-gram index; output equals uninterrupted decoding."""
-    spec, engine = perturbed
+def round_trip_through_the_batch(spec, engine, reference):
+    """A greedy request decodes 20 tokens alone, joins the batch beside another until it
+    has 55, leaves it (after a settle) and finishes alone: (its sequence, the state the
+    batch handed back, the other request's sequence), both finished."""
     registry = engine.registry
     prompt = reference.tokenizer.encode(PROMPTS[0])
-    request = greedy_request("m", prompt, 90)
-    seq = make_sequence(request, registry.tokenizer)
+    seq = make_sequence(greedy_request("m", prompt, 90), registry.tokenizer)
     registry.transfer(spec.name)
     spec.add(seq)
     while len(seq.generated) < 20:
         spec.step()
     state, _ = spec.export()
-    assert state.draft is not None and state.draft.fed and state.pld is not None
     registry.transfer(engine.name)
     engine.insert(state)
     other = greedy_request("o", reference.tokenizer.encode(PROMPTS[1]), 30)
@@ -295,7 +299,6 @@ def test_migration_in_and_out_of_the_batch_keeps_draft_state_and_output(perturbe
     engine.settle()
     back = engine.extract("m")
     assert back.cached == len(seq.all_tokens) - 1
-    assert back.draft.fed == seq.all_tokens[: len(back.draft.fed)]
     registry.transfer(spec.name)
     spec.resume(back)
     while spec.active is not None:
@@ -305,6 +308,16 @@ def test_migration_in_and_out_of_the_batch_keeps_draft_state_and_output(perturbe
         engine.step()
     assert seq.generated == reference.greedy_tokens(prompt, 90)
     assert other_seq.generated == reference.greedy_tokens(other.prompt_tokens, 30)
+    return seq, back, other_seq
+
+
+def test_migration_in_and_out_of_the_batch_keeps_draft_state_and_output(perturbed, reference):
+    """A sequence moves single-stream -> batch -> single-stream with its target cache,
+    its draft-model cache and its n-gram index; output equals uninterrupted decoding."""
+    spec, engine = perturbed
+    seq, back, _ = round_trip_through_the_batch(spec, engine, reference)
+    assert back.draft is not None and back.pld is not None
+    assert back.draft.fed == seq.all_tokens[: len(back.draft.fed)]
     assert seq.spec.by_method["draft"].draft_tokens > 0
 
 

@@ -143,3 +143,24 @@ async def test_served_hybrid_batches_with_drafting_and_returns_to_single_stream(
         assert switches.get(("batched", "speculative"), 0) >= 1, switches
     finally:
         scheduler.stop()
+
+
+async def test_paused_hybrid_streams_resume_exactly_when_read_again(hybrid):
+    """Backpressure takes an unread stream's row out of the batch (its recurrent state
+    and KV cache kept) and puts it back when read: no token lost, repeated or changed."""
+    from tests.test_fairness import tokens_of, until_buffered
+
+    _, path, reference, _ = hybrid
+    scheduler = start_scheduler(path, max_num_seqs=2, max_unread_events=4, unread_timeout=10.0)
+    try:
+        prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:2]]
+        streams = [scheduler.submit(greedy_request(f"p{i}", p, 60)) for i, p in enumerate(prompts)]
+        for stream in streams:
+            await until_buffered(stream, 5)  # nobody reads: both pause
+        await asyncio.sleep(0.1)
+        assert all(stream.buffered <= 8 for stream in streams), "an unread row kept going"
+        got = await asyncio.gather(*(tokens_of(stream) for stream in streams))
+        for prompt, tokens in zip(prompts, got, strict=True):
+            assert tokens == reference.greedy_tokens(prompt, 60)
+    finally:
+        scheduler.stop()

@@ -101,9 +101,10 @@ def random_model(arch: str):
     return model, config
 
 
-def mtp_step_ratio(model, config: dict, plain_seconds: float, repeats: int) -> float | None:
-    """Seconds of one pipelined MTP draft step / a plain step (None: no MTP head)."""
-    from engines.gates import _pipelined_step_seconds, _warm_cache
+def mtp_step_ratio(model, config: dict, repeats: int) -> float | None:
+    """One MTP draft token / a pipelined plain step, as the engine measures it at
+    start-up (`CostModel.measure`), for a head of the model's shape (None: no head)."""
+    from engines.gates import CostModel
     from engines.mtp import MTP_ARCHS, MTPStepModel, TargetParts, build_head, mtp_layers_in_config
 
     if config.get("model_type") not in MTP_ARCHS or not mtp_layers_in_config(config):
@@ -111,9 +112,7 @@ def mtp_step_ratio(model, config: dict, plain_seconds: float, repeats: int) -> f
     head = build_head(config)
     head.set_dtype(TargetParts(model).dtype)
     step = MTPStepModel(head, TargetParts(model))
-    cache = _warm_cache(step)
-    seconds = statistics.median(_pipelined_step_seconds(step, cache) for _ in range(repeats))
-    return seconds / plain_seconds
+    return CostModel.measure(model, step, 1, rounds=repeats).draft_step
 
 
 def main(argv: list[str]) -> None:
@@ -168,9 +167,9 @@ def main(argv: list[str]) -> None:
         f"{mx.default_device()}, BLAS {describe_blas()}; median of {args.repeats}"
     )
     print(f"plain step {base * 1000:.1f} ms")
-    mtp = mtp_step_ratio(model, config, base, args.repeats)
+    mtp = mtp_step_ratio(model, config, args.repeats)
     if mtp is not None:
-        print(f"MTP draft token / plain step {mtp:.2f} (the model's own head, chained)")
+        print(f"MTP draft token / pipelined plain step {mtp:.2f} (the model's own head)")
     print(
         "| T | verify / plain | rollback after it, T/2 kept / plain: "
         "recurrent layers replayed (Tandem) | whole model replayed |"

@@ -22,7 +22,7 @@ Each step:
 Hybrid models (recurrent layers beside attention) batch the same way: their recurrent
 layers hold one `RaggedArraysCache` row per sequence, a verify captures those layers'
 inputs, and each row's state is restored and rerun on exactly its kept tokens
-(`ragged_recurrent.roll_back_rows`) while the KV layers cut their rows.
+(`rollback.roll_back_rows`) while the KV layers cut their rows.
 
 Invariant after every step: target row i holds exactly `seq.all_tokens[:-1]` (the
 newest token is its next input) -- or, while a plain step is in flight, exactly
@@ -53,9 +53,9 @@ from engines.batched_verify import accept_rows, commit_row, process_rows
 from engines.drafters import DRAFT, PLD, DraftState, PromptLookupDrafter
 from engines.prefill_groups import PrefillGroup, next_group
 from engines.ragged_cache import RaggedKVCache, feed_chunk, feed_rows, ragged_from_rows
-from engines.ragged_recurrent import is_recurrent, roll_back_rows
+from engines.ragged_recurrent import is_recurrent
 from engines.registry import ModelRegistry
-from engines.rollback import capturing_inputs, take_snapshot
+from engines.rollback import capturing_inputs, roll_back_rows, take_snapshot
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
 
@@ -74,7 +74,7 @@ class BatchedSpeculativeEngine:
     ) -> None:
         self.registry = registry
         self.model = registry.model_for(self.name)
-        # a hybrid's recurrent layers roll back by restore and rerun (`ragged_recurrent`)
+        # a hybrid's recurrent rows cannot be cut back when a finished row leaves
         self.recurrent = any(is_recurrent(c) for c in make_prompt_cache(registry.target.model))
         self.draft_model = registry.draft.model if registry.draft else None
         self.draft_vocab = speculative.drafter.vocab_size if speculative.drafter else 0
@@ -433,7 +433,7 @@ class BatchedSpeculativeEngine:
         fed_rows = [[row.tokens[-1], *row.drafts[:k]] for row in self.rows]
         lengths = list(self.cache[0].held)
         inputs = mx.array([fed + [0] * (width - len(fed)) for fed in fed_rows])
-        snapshot = take_snapshot(self.cache) if self.recurrent else None
+        snapshot = take_snapshot(self.cache)  # None unless rows hold recurrent state
         with capturing_inputs(self.registry.target.model, self.cache, snapshot):
             logits = self.model(inputs, cache=self.cache)
         logprobs = process_rows(self.rows, logits, fed_rows)

@@ -192,11 +192,17 @@ def _files_with_mtp(source: Path) -> list[Path]:
     if not index.exists():
         return everything
     weight_map = json.loads(index.read_text()).get("weight_map", {})
-    with_mtp = sorted({name for key, name in weight_map.items() if _PREFIX in key})
-    conv = sorted({name for key, name in weight_map.items() if key.endswith("conv1d.weight")})
-    listed = [source / name for name in [*with_mtp, *conv[:1]]] if with_mtp else []
+    listed = [source / name for name in _shards_with_mtp(weight_map)]
     unlisted = [path for path in everything if path.name not in set(weight_map.values())]
     return list(dict.fromkeys([*listed, *unlisted]))
+
+
+def _shards_with_mtp(weight_map: dict[str, str]) -> list[str]:
+    """From an index's weight map: the shards holding `mtp.*` weights and, when there
+    are any, one shard with a conv1d weight (which tells the layout); else none."""
+    with_mtp = sorted({name for key, name in weight_map.items() if _PREFIX in key})
+    conv = sorted({name for key, name in weight_map.items() if key.endswith("conv1d.weight")})
+    return list(dict.fromkeys([*with_mtp, *conv[:1]])) if with_mtp else []
 
 
 def convert_mtp_weights(weights: dict[str, mx.array], offset_norms: bool) -> dict[str, mx.array]:
@@ -259,9 +265,7 @@ def weights_source(spec: str) -> Path:
 
     index = Path(hf_hub_download(spec, "model.safetensors.index.json"))
     weight_map = json.loads(index.read_text()).get("weight_map", {})
-    shards = {name for key, name in weight_map.items() if _PREFIX in key}
-    conv = sorted({name for key, name in weight_map.items() if key.endswith("conv1d.weight")})
-    wanted = ["model.safetensors.index.json", *sorted(shards), *conv[:1]]
+    wanted = ["model.safetensors.index.json", *_shards_with_mtp(weight_map)]
     return Path(snapshot_download(spec, allow_patterns=wanted))
 
 

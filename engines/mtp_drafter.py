@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
-from mlx_lm.models.cache import trim_prompt_cache
 
 from engines.drafters import MTP, Draft, chain_drafts
 from engines.mtp import MTPHead, TargetParts
 from engines.request import SamplingParams
+from engines.rollback import trim_exact
 from engines.sampling import RandomStream
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class MTPDrafter:
         if state.cache is None:
             state.cache = self.head.make_cache()
         if state.speculative:
-            trim_prompt_cache(state.cache, state.speculative)
+            trim_exact(state.cache, state.speculative)
             state.speculative = 0
         state.caught_up = state.pending
         if not state.pending:

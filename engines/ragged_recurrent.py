@@ -7,7 +7,7 @@ change of length as in `RaggedKVCache`: after a verify over `[B, 1 + K]`, each
 recurrent layer's state is restored from before the verify and that layer alone is
 rerun on the positions each row keeps, from its input captured during the verify
 (`rollback.capturing_inputs`), with a mask so row i absorbs exactly its own
-`1 + accepted_i` tokens (`roll_back_rows`).
+`1 + accepted_i` tokens (`rollback.roll_back_rows`).
 
 A forward whose rows feed different numbers of tokens (a ragged prefill, a rollback
 replay) is prepared with each row's count (`prepare`): mlx-lm's recurrent layers then
@@ -143,24 +143,3 @@ def finish_rows(cache: list) -> None:
     for layer in cache:
         if isinstance(layer, RaggedArraysCache):
             layer.finish()
-
-
-def roll_back_rows(cache: list, snapshot: Any, before: list[int], kept: list[int]) -> None:
-    """After a verify that started with row i holding `before[i]` tokens, keep
-    `kept[i]`: KV layers cut their rows; recurrent layers get their state from
-    `snapshot` (taken before the verify) and rerun on their captured inputs, row i on
-    its first `kept[i] - before[i]` positions."""
-    counts = [k - b for k, b in zip(kept, before, strict=True)]
-    for i, layer in enumerate(cache):
-        if isinstance(layer, RaggedArraysCache):
-            layer.cache = list(snapshot.layers[i]["cache"])
-            layer.held = list(before)
-            layer.prepare(counts)
-        else:
-            layer.set_lengths(kept)
-    width = max(counts)
-    for i, (module, inputs) in snapshot.inputs.items():
-        layer = cache[i]
-        module(inputs[:, :width], mask=layer.make_mask(width), cache=layer)
-        layer.finish()
-    mx.eval([cache[i].state for i in snapshot.inputs])

@@ -28,7 +28,7 @@ from mlx_lm.models.cache import (
 
 from engines.lockstep import CacheHandle
 from engines.ragged_cache import RaggedKVCache
-from engines.ragged_recurrent import is_recurrent
+from engines.ragged_recurrent import RaggedArraysCache, finish_rows, is_recurrent
 
 
 class RollbackError(RuntimeError):
@@ -89,8 +89,9 @@ def _plain(value: Any) -> bool:
 
 def take_snapshot(cache: list) -> CacheSnapshot | None:
     """A snapshot to roll back to, or None when trimming will always do (every layer
-    a KV cache; a sliding window that trims now may not after the next forward)."""
-    if all(isinstance(layer, (KVCache, QuantizedKVCache)) for layer in cache):
+    a KV cache, batched or not; a sliding window that trims now may not after the next
+    forward)."""
+    if all(isinstance(layer, (KVCache, QuantizedKVCache, RaggedKVCache)) for layer in cache):
         return None
     return CacheSnapshot([{k: _detached(v) for k, v in vars(layer).items()} for layer in cache])
 
@@ -117,17 +118,42 @@ def roll_back(
         trim_exact([layer for i, layer in enumerate(cache) if i not in captured], n)
         for i in captured:
             _restore(cache[i], snapshot.layers[i])
-        keep = len(replay)
-        for i, (layer, inputs) in captured.items():
-            # only the cache is evaluated, so MLX computes just what updates the state
-            layer(inputs[:, :keep], mask=None, cache=cache[i])
-        mx.eval([cache[i].state for i in captured])
+        _rerun_captured(cache, captured, len(replay))
         return
     for layer, saved in zip(cache, snapshot.layers, strict=True):
         _restore(layer, saved)
     if replay:
         model(mx.array(replay)[None], cache=cache)
         mx.eval([layer.state for layer in cache])
+
+
+def roll_back_rows(
+    cache: list, snapshot: CacheSnapshot, before: list[int], kept: list[int]
+) -> None:
+    """`roll_back` for a batch whose rows keep different amounts: after a verify that
+    started with row i holding `before[i]` tokens, keep `kept[i]`. KV layers cut their
+    rows; recurrent layers (`RaggedArraysCache`) get their state from `snapshot`
+    (taken before the verify) and rerun on their captured inputs, row i on its first
+    `kept[i] - before[i]` positions (the rest masked out)."""
+    counts = [k - b for k, b in zip(kept, before, strict=True)]
+    for i, layer in enumerate(cache):
+        if isinstance(layer, RaggedArraysCache):
+            _restore(layer, snapshot.layers[i])
+            layer.prepare(counts)
+        else:
+            layer.set_lengths(kept)
+    _rerun_captured(cache, snapshot.inputs, max(counts))
+    finish_rows(cache)
+
+
+def _rerun_captured(cache: list, captured: dict[int, tuple[Any, mx.array]], width: int) -> None:
+    """Feed each captured recurrent layer its first `width` inputs again, on its
+    restored state; only the cache is evaluated, so MLX computes just what updates it.
+    The cache's own mask (None for one sequence, each row's count in a batch) keeps
+    padding out."""
+    for i, (layer, inputs) in captured.items():
+        layer(inputs[:, :width], mask=cache[i].make_mask(width), cache=cache[i])
+    mx.eval([cache[i].state for i in captured])
 
 
 def _restore(layer: Any, saved: dict[str, Any]) -> None:

@@ -13,7 +13,6 @@ from typing import Any
 from engines.constraints import GrammarCompiler
 from engines.gates import CostModel
 from engines.mtp import (
-    MTP_ARCHS,
     MTPUnavailable,
     load_head,
     local_folder,
@@ -61,9 +60,9 @@ def load_model(config: SchedulerConfig) -> Loaded:
     registry = ModelRegistry.load(
         config.model, config.draft_model, config.gguf_dtype, config.distributed
     )
-    models = [m for m in (registry.target.model, registry.draft and registry.draft.model) if m]
-    # batched rows: a hybrid target's recurrent rows restore and rerun; a draft is plain KV
     target, draft = registry.target.model, registry.draft and registry.draft.model
+    models = [m for m in (target, draft) if m]
+    # batched rows: a hybrid target's recurrent rows restore and rerun; a draft is plain KV
     rows_roll_back = supports_batched_rows(target) and (not draft or supports_rollback(draft))
     drafting = all(supports_rollback(m) or supports_snapshot(m) for m in models)
     if not drafting:
@@ -100,9 +99,8 @@ def load_model(config: SchedulerConfig) -> Loaded:
     registry.transfer(engine.name)
     log.info("speculation: %s", engine.describe())
     if rows_roll_back:  # the batched speculative engine starts lazily, warm already
-        for model in (registry.target.model, registry.draft and registry.draft.model):
-            if model is not None:
-                warm_up(model)
+        for model in models:
+            warm_up(model)
     info = ModelInfo(
         path=config.model,
         tokenizer=registry.tokenizer,
@@ -134,12 +132,7 @@ def attach_mtp(registry: ModelRegistry, config: SchedulerConfig) -> None:
         log.info("MTP head: not used (%s)", reason)
         return
     weights = weights_source(config.mtp_weights) if config.mtp_weights else None
-    try:
-        if target.config.get("model_type") not in MTP_ARCHS:
-            raise MTPUnavailable(
-                f"model type {target.config.get('model_type')!r} is not one Tandem builds "
-                f"an MTP head for ({', '.join(MTP_ARCHS)})"
-            )
+    try:  # an architecture Tandem builds no head for is refused by load_head too
         registry.mtp = load_head(target.model, target.config, local_folder(target.folder), weights)
     except MTPUnavailable as exc:
         if weights is not None:

@@ -183,14 +183,19 @@ def mixed_requests(reference, n: int):
     return requests, expected
 
 
+def assert_rows_equal(seqs: dict, outputs: dict, expected: dict[str, list[int]]) -> None:
+    """Each row generated, and published, exactly its expected (solo) tokens."""
+    for rid, seq in seqs.items():
+        assert seq.generated == expected[rid], rid
+        assert [t for o in outputs[rid] for t in o.token_ids] == expected[rid], rid
+
+
 @pytest.mark.parametrize("n", [2, 3, 5, 8])
 def test_rows_mixing_pld_draft_and_plain_each_equal_solo_plain_decoding(perturbed, reference, n):
     _, engine = perturbed
     requests, expected = mixed_requests(reference, n)
     seqs, outputs, drafted = run_batch(engine, requests)
-    for rid, seq in seqs.items():
-        assert seq.generated == expected[rid], rid
-        assert [t for o in outputs[rid] for t in o.token_ids] == expected[rid]
+    assert_rows_equal(seqs, outputs, expected)
     assert drafted > 0, "rows drafted while batched"
     methods = {m for seq in seqs.values() for m in seq.spec.by_method}
     assert "draft" in methods

@@ -17,12 +17,21 @@ so padding never changes a real position's logits.
 The class speaks mlx-lm's cache protocol (`offset`, `update_and_fetch`, `make_mask`,
 `state`, `is_trimmable`, `trim`) so mlx-lm's attention models run on it unchanged;
 `offset` is a per-row array, which their RoPE accepts.
+
+A sliding-window layer (gpt-oss, Gemma 3: mlx-lm's `RotatingKVCache`) is one with a
+`window`. Its rows keep the window in temporal order instead of rotating, so they
+roll back by a change of length as well: row i's column 0 holds its position
+`starts[i]`, masks let a query see only the `window` positions up to its own, and
+once a row holds a window's worth that no query can see again, the forward that
+finds it shifts those rows left (`_slide`), keeping the `window` positions before
+that forward -- every position a rollback to its start, or any later query, needs.
+Invariant: a row that has slid (`starts[i] > 0`) holds at least `window` positions.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from engines.ragged_recurrent import RaggedArraysCache, finish_rows, prepare_rows
 
@@ -30,10 +39,19 @@ from engines.ragged_recurrent import RaggedArraysCache, finish_rows, prepare_row
 class RaggedKVCache:
     step = 256  # capacity grows in blocks of this many positions, like KVCache
 
-    def __init__(self, lengths: list[int], keys: mx.array | None = None, values=None) -> None:
+    def __init__(
+        self,
+        lengths: list[int],
+        keys: mx.array | None = None,
+        values: mx.array | None = None,
+        window: int | None = None,
+        starts: list[int] | None = None,
+    ) -> None:
         self.lengths = list(lengths)
         self.keys = keys
         self.values = values
+        self.window = window  # a sliding-window layer's size; None: full attention
+        self.starts = list(starts) if starts is not None else [0] * len(self.lengths)
 
     # ---- mlx-lm's cache protocol ------------------------------------------------
 
@@ -47,19 +65,25 @@ class RaggedKVCache:
         """Per-row position of the next token (RoPE offset)."""
         return mx.array(self.lengths)
 
+    @property
+    def columns(self) -> list[int]:
+        """Positions each row keeps in its columns (all of them without a window)."""
+        return [length - start for length, start in zip(self.lengths, self.starts, strict=True)]
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write T new positions per row after each row's own length; every row
         advances by T (callers roll padded positions back with `set_lengths`)."""
         batch, heads, count, _ = keys.shape
         assert batch == len(self.lengths), "one row of keys per cache row"
-        end = max(self.lengths) + count
+        columns = self.columns
+        end = max(columns) + count
         self._reserve(end, keys, values)
-        if len(set(self.lengths)) == 1:
-            start = self.lengths[0]
+        if len(set(columns)) == 1:
+            start = columns[0]
             self.keys[..., start : start + count, :] = keys
             self.values[..., start : start + count, :] = values
         else:
-            positions = mx.array(self.lengths)[:, None] + mx.arange(count)[None]
+            positions = mx.array(columns)[:, None] + mx.arange(count)[None]
             index = positions[:, None, :, None]
             self.keys = mx.put_along_axis(
                 self.keys, mx.broadcast_to(index, keys.shape), keys, axis=2
@@ -67,17 +91,24 @@ class RaggedKVCache:
             self.values = mx.put_along_axis(
                 self.values, mx.broadcast_to(index, values.shape), values, axis=2
             )
-        self.lengths = [length + count for length in self.lengths]
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        before, self.lengths = self.lengths, [length + count for length in self.lengths]
+        fetched = self.keys[..., :end, :], self.values[..., :end, :]
+        if self.window is not None:  # this forward's masks were built before the slide
+            self._slide(before)
+        return fetched
 
     def make_mask(self, count: int, return_array: bool = False, window_size=None, **_) -> mx.array:
-        """(B, 1, count, max_len + count): query t of row i sees positions <= len_i + t."""
+        """(B, 1, count, max_columns + count): query t of row i sees its columns
+        <= columns_i + t, and with a window only the `window_size` newest of them."""
+        if window_size is not None and (self.window is None or window_size > self.window):
+            raise ValueError(f"a window of {window_size} positions needs a cache that keeps it")
+        columns = self.columns
+        own = mx.array(columns)[:, None, None, None] + mx.arange(count)[None, None, :, None]
+        keys = mx.arange(max(columns) + count)[None, None, None, :]
+        mask = keys <= own
         if window_size is not None:
-            raise ValueError("RaggedKVCache does not support sliding-window attention")
-        lengths = mx.array(self.lengths)[:, None, None, None]
-        queries = mx.arange(count)[None, None, :, None]
-        keys = mx.arange(max(self.lengths) + count)[None, None, None, :]
-        return keys <= lengths + queries
+            mask = mask & (keys > own - window_size)
+        return mask
 
     @property
     def state(self):
@@ -87,8 +118,8 @@ class RaggedKVCache:
         return True
 
     def trim(self, n: int) -> int:
-        """Trim every row by n (the protocol's uniform trim); returns n as trimmed."""
-        n = min(n, min(self.lengths))
+        """Trim every row by n (the protocol's uniform trim); returns what was trimmed."""
+        n = min(n, *(length - self._floor(i) for i, length in enumerate(self.lengths)))
         self.lengths = [length - n for length in self.lengths]
         return n
 
@@ -99,33 +130,36 @@ class RaggedKVCache:
     # ---- per-row lengths and row membership ---------------------------------------
 
     def set_lengths(self, lengths: list[int]) -> None:
-        """Roll rows back (never forward past what was written)."""
+        """Roll rows back (never forward past what was written, nor before a slid
+        row's window)."""
         assert len(lengths) == len(self.lengths)
-        for new, old in zip(lengths, self.lengths, strict=True):
-            if not 0 <= new <= old:
+        for i, (new, old) in enumerate(zip(lengths, self.lengths, strict=True)):
+            if not self._floor(i) <= new <= old:
                 raise ValueError(f"a row of {old} positions cannot become {new}")
         self.lengths = list(lengths)
 
     def take(self, rows: list[int]) -> RaggedKVCache:
         """A new cache of copies of `rows`, in that order; this one is unchanged."""
-        taken = RaggedKVCache(self.lengths, self.keys, self.values)
+        taken = RaggedKVCache(self.lengths, self.keys, self.values, self.window, self.starts)
         taken.filter(rows)
         return taken
 
     def filter(self, rows: list[int]) -> None:
         """Keep only `rows`, in that order (a copy of the kept rows)."""
         self.lengths = [self.lengths[i] for i in rows]
+        self.starts = [self.starts[i] for i in rows]
         if not rows:
             self.keys = self.values = None
         if self.keys is not None:
             index = mx.array(rows, dtype=mx.int32)
-            end = max(self.lengths, default=0)
-            capacity = _round_up(max(end, 1), self.step)
+            capacity = _round_up(max(max(self.columns, default=0), 1), self.step)
             self.keys = self.keys[index, :, :capacity]
             self.values = self.values[index, :, :capacity]
 
     def extend(self, other: RaggedKVCache) -> None:
         """Append `other`'s rows after this cache's rows."""
+        assert self.window == other.window, "rows of one layer share its window"
+        self.starts += other.starts
         if other.keys is None and self.keys is None:
             self.lengths += other.lengths
             return
@@ -140,37 +174,72 @@ class RaggedKVCache:
         )
         self.lengths += other.lengths
 
-    def extract(self, row: int) -> KVCache:
-        """Row `row` as a plain single-sequence KVCache holding exactly its positions."""
-        cache = KVCache()
-        length = self.lengths[row]
+    def extract(self, row: int) -> KVCache | RotatingKVCache:
+        """Row `row` as a single-sequence cache holding exactly its positions: a
+        `KVCache`, or for a window mlx-lm's `RotatingKVCache` as its own forwards
+        leave one (the newest `window` positions, in temporal order)."""
+        length, start = self.lengths[row], self.starts[row]
+        first = start if self.window is None else max(start, length - self.window)
+        cache = KVCache() if self.window is None else RotatingKVCache(self.window)
         if length and self.keys is not None:
-            cache.keys = mx.contiguous(self.keys[row : row + 1, :, :length])
-            cache.values = mx.contiguous(self.values[row : row + 1, :, :length])
+            columns = slice(first - start, length - start)
+            cache.keys = mx.contiguous(self.keys[row : row + 1, :, columns])
+            cache.values = mx.contiguous(self.values[row : row + 1, :, columns])
             cache.offset = length
+            if self.window is not None:
+                if start and length - first < self.window:
+                    raise ValueError("a slid row lost part of its window")
+                cache._idx = length - first
         return cache
 
     @classmethod
-    def from_caches(cls, caches: list[KVCache]) -> RaggedKVCache:
-        """Rows from single-sequence caches (each `offset` positions long)."""
-        lengths = [c.offset for c in caches]
-        filled = [c for c in caches if c.keys is not None and c.offset > 0]
+    def from_caches(cls, caches: list[KVCache | RotatingKVCache]) -> RaggedKVCache:
+        """Rows from single-sequence caches: `KVCache`s (each `offset` positions long),
+        or one sliding-window layer's `RotatingKVCache`s (each keeping its window)."""
+        window = _window_of(caches[0])
+        kept = [_positions(cache) for cache in caches]
+        lengths = [cache.offset for cache in caches]
+        starts = [
+            length - (0 if k is None else k.shape[2])
+            for length, (k, _) in zip(lengths, kept, strict=True)
+        ]
+        filled = [(k, v) for k, v in kept if k is not None and k.shape[2] > 0]
         if not filled:
-            return cls(lengths)
-        capacity = _round_up(max(lengths), cls.step)
-        template_k, template_v = filled[0].keys, filled[0].values
+            return cls(lengths, window=window, starts=starts)
+        capacity = _round_up(
+            max(length - start for length, start in zip(lengths, starts, strict=True)), cls.step
+        )
+        template_k, template_v = filled[0]
         rows_k, rows_v = [], []
-        for cache, length in zip(caches, lengths, strict=True):
-            if length == 0 or cache.keys is None:
+        for k, v in kept:
+            if k is None or k.shape[2] == 0:
                 k = mx.zeros((1, template_k.shape[1], 0, template_k.shape[3]), template_k.dtype)
                 v = mx.zeros((1, template_v.shape[1], 0, template_v.shape[3]), template_v.dtype)
-            else:
-                k, v = cache.keys[..., :length, :], cache.values[..., :length, :]
             rows_k.append(_pad_to(k, capacity))
             rows_v.append(_pad_to(v, capacity))
-        return cls(lengths, mx.concatenate(rows_k), mx.concatenate(rows_v))
+        return cls(lengths, mx.concatenate(rows_k), mx.concatenate(rows_v), window, starts)
 
     # ---- internals ------------------------------------------------------------------
+
+    def _floor(self, row: int) -> int:
+        """The shortest row `row` may roll back to: a slid row keeps its window."""
+        return self.starts[row] + self.window if self.starts[row] else 0
+
+    def _slide(self, before: list[int]) -> None:
+        """Once some row holds a window's worth of positions no query will see again
+        (older than the `window` before this forward, which any rollback keeps), shift
+        every row left past its own such positions: one gather, every `window` tokens."""
+        drop = [max(0, b - self.window - s) for b, s in zip(before, self.starts, strict=True)]
+        if max(drop) < self.window:
+            return
+        capacity = self.keys.shape[2]
+        index = mx.minimum(mx.array(drop)[:, None] + mx.arange(capacity)[None], capacity - 1)
+        index = index[:, None, :, None]
+        self.keys = mx.take_along_axis(self.keys, mx.broadcast_to(index, self.keys.shape), axis=2)
+        self.values = mx.take_along_axis(
+            self.values, mx.broadcast_to(index, self.values.shape), axis=2
+        )
+        self.starts = [s + d for s, d in zip(self.starts, drop, strict=True)]
 
     def _reserve(self, end: int, keys: mx.array, values: mx.array) -> None:
         if self.keys is not None and end <= self.keys.shape[2]:
@@ -183,6 +252,24 @@ class RaggedKVCache:
         else:
             self.keys = _pad_to(self.keys, capacity)
             self.values = _pad_to(self.values, capacity)
+
+
+def _window_of(cache: KVCache | RotatingKVCache) -> int | None:
+    if not isinstance(cache, RotatingKVCache):
+        return None
+    if cache.keep:
+        raise ValueError("a sliding window that keeps its first positions cannot be batched")
+    return cache.max_size
+
+
+def _positions(cache: KVCache | RotatingKVCache) -> tuple[mx.array | None, mx.array | None]:
+    """The keys and values a cache holds, in temporal order, nothing unused: a
+    `RotatingKVCache` may have wrapped around its window or hold spare capacity."""
+    if cache.keys is None or cache.offset == 0:
+        return None, None
+    if isinstance(cache, RotatingKVCache):
+        return cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+    return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
 
 
 def _empty_rows(rows: int, like: RaggedKVCache) -> tuple[mx.array, mx.array]:

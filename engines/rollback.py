@@ -21,6 +21,7 @@ from mlx_lm.models.cache import (
     ArraysCache,
     KVCache,
     QuantizedKVCache,
+    RotatingKVCache,
     can_trim_prompt_cache,
     make_prompt_cache,
     trim_prompt_cache,
@@ -234,12 +235,20 @@ def supports_rollback(model: Any) -> bool:
 
 def supports_batched_rows(model: Any) -> bool:
     """True when batched speculation can hold the model's caches with rows that roll
-    back alone: plain KV layers (`RaggedKVCache`), or recurrent layers beside at least
-    one KV layer (`RaggedArraysCache`: restored and rerun from the verify's captured
-    inputs, which needs the decoder layers where `capturing_inputs` finds them)."""
+    back alone: plain KV layers and sliding-window layers (`RaggedKVCache`, the window
+    kept in temporal order), and recurrent layers beside at least one of those
+    (`RaggedArraysCache`: restored and rerun from the verify's captured inputs, which
+    needs the decoder layers where `capturing_inputs` finds them)."""
     if supports_rollback(model):
         return True
     cache = make_prompt_cache(model)
-    kinds_fit = all(type(layer) is KVCache or isinstance(layer, ArraysCache) for layer in cache)
-    has_kv = any(type(layer) is KVCache for layer in cache)
-    return kinds_fit and has_kv and _layer_list(model, len(cache)) is not None
+    attention = [layer for layer in cache if _batched_attention(layer)]
+    recurrent = [layer for layer in cache if isinstance(layer, ArraysCache)]
+    if len(attention) + len(recurrent) != len(cache) or not attention:
+        return False
+    return not recurrent or _layer_list(model, len(cache)) is not None
+
+
+def _batched_attention(layer: Any) -> bool:
+    """A KV cache `RaggedKVCache` mirrors: plain, or a window that keeps no sink."""
+    return type(layer) is KVCache or (type(layer) is RotatingKVCache and layer.keep == 0)

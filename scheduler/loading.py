@@ -1,8 +1,10 @@
 """Loading the model and the single-stream engine that owns it first.
 
-Whether speculation is possible is decided here, once: a model whose KV caches cannot
-roll back rejected drafts (recurrent or sliding-window layers) gets no drafting at all,
-and the scheduler batches every request."""
+Whether speculation is possible is decided here, once: a model whose caches cannot
+roll back rejected drafts (layers holding other caches) gets no drafting at all, and
+the scheduler batches every request; one whose rows roll back alone in the batch
+(plain KV, sliding-window and recurrent layers, with a plain-KV draft) drafts inside
+the batch and migrates both ways."""
 
 from __future__ import annotations
 
@@ -80,9 +82,9 @@ def load_model(config: SchedulerConfig) -> Loaded:
         )
     elif not supports_rollback(target):
         log.info(
-            "recurrent layers: a rejected draft rolls back by restoring their state and "
-            "rerunning them on the kept tokens, for one request or per row of a batch; "
-            "drafting stays on in the batch"
+            "recurrent or sliding-window layers: a rejected draft rolls back per request "
+            "and per row of a batch (recurrent state restored and rerun on the kept "
+            "tokens, a window kept in order in the batch); drafting stays on in the batch"
         )
     if drafting:
         attach_mtp(registry, config)

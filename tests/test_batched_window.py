@@ -1,0 +1,222 @@
+"""Speculation inside the batch for sliding-window models (gpt-oss, and a Llama whose
+`layer_types` mix full and sliding attention, as Gemma 3): mlx-lm keeps their sliding
+layers in a `RotatingKVCache`, which cannot trim once it wraps. In the batch a row
+keeps its window in temporal order (`RaggedKVCache` with a `window`), masked to the
+window and slid left as it fills, so each row rolls back alone by a change of length.
+Every row's output equals its solo plain decoding with mlx-lm, across many slides of a
+16-position window; rows move in and out of the batch both ways, as mlx-lm's own
+`RotatingKVCache` on the single-stream side."""
+
+from __future__ import annotations
+
+import asyncio
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
+
+from engines.batched_spec import BatchedSpeculativeEngine
+from engines.ragged_cache import RaggedKVCache, feed_rows, ragged_from_rows
+from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
+from engines.rollback import supports_batched_rows
+from engines.sequence import FinishReason, make_sequence
+from tests.conftest import Reference, start_scheduler
+from tests.test_batched_speculation import (
+    PROMPTS,
+    assert_rows_equal,
+    greedy_request,
+    make_engines,
+    mixed_requests,
+    repetitive_bias,
+    round_trip_through_the_batch,
+    run_batch,
+)
+from tests.tiny_archs import SLIDING_WINDOW, build_tiny_arch
+
+ARCHS = ("sliding", "gpt_oss")
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def windowed(request, tmp_path_factory, tiny_model_dir, perturbed_draft_dir):
+    """(kind, checkpoint, mlx-lm reference, (single-stream, batched) engines whose draft
+    is a plain-KV Llama sharing the tokenizer)."""
+    kind = request.param
+    path = build_tiny_arch(kind, tmp_path_factory.mktemp("window") / kind, tiny_model_dir)
+    reference = Reference(*load(str(path)))
+    return kind, path, reference, make_engines(path, perturbed_draft_dir)
+
+
+def windows_of(cache: list) -> list[int | None]:
+    return [getattr(layer, "window", None) for layer in cache]
+
+
+# ---- the windowed ragged cache --------------------------------------------------------
+
+
+def test_windowed_rows_slide_roll_back_and_hand_back_mlx_lm_caches(windowed):
+    """Three rows of different lengths feed ragged chunks far past the window (several
+    slides), rolling back different amounts after each: every row's logits equal its
+    single-sequence forward on mlx-lm's own caches, and a row taken out continues
+    exactly as mlx-lm's `RotatingKVCache` would."""
+    _, _, reference, _ = windowed
+    model = reference.model
+    assert supports_batched_rows(model)
+    cache = ragged_from_rows([make_prompt_cache(model) for _ in range(3)])
+    assert SLIDING_WINDOW in windows_of(cache) and None in windows_of(cache)
+    solo = [make_prompt_cache(model) for _ in range(3)]
+    key = mx.random.key(3)
+    slid = False
+    for step in range(14):
+        key, sub = mx.random.split(key)
+        counts = [(step + i) % 5 + 1 for i in range(3)]
+        tokens = mx.random.randint(1, 200, (3, 5), key=sub).tolist()
+        fed = [row[:n] for row, n in zip(tokens, counts, strict=True)]
+        logits = feed_rows(model, cache, fed)
+        keep = [max(1, n - (step + i) % 3) for i, n in enumerate(counts)]
+        for i in range(3):
+            expected = model(mx.array(fed[i][: keep[i]])[None], cache=solo[i])[0]
+            assert mx.allclose(logits[i, : keep[i]], expected, atol=1e-4).item(), (step, i)
+        lengths = [held - n + k for held, n, k in zip(cache[0].held, counts, keep, strict=True)]
+        for layer in cache:
+            layer.set_lengths(lengths)
+        slid = slid or any(start for layer in cache for start in layer.starts)
+    assert slid, "rows slid past their window"
+    assert all(max(layer.columns) <= 3 * SLIDING_WINDOW for layer in cache), "windows stay small"
+    for i in range(3):
+        taken = [layer.extract(i) for layer in cache]
+        assert {type(c) for c in taken} == {type(c) for c in solo[i]}
+        nxt = mx.array([[7, 8, 9]])
+        got = model(nxt, cache=taken)[0]
+        want = model(nxt, cache=solo[i])[0]
+        assert mx.allclose(got, want, atol=1e-4).item(), i
+
+
+def test_a_slid_row_refuses_to_roll_back_past_its_window():
+    cache = RaggedKVCache([0], window=4)
+    keys = mx.zeros((1, 1, 9, 2))
+    cache.update_and_fetch(keys, keys)  # no slide: nothing was older than the window
+    cache.update_and_fetch(keys, keys)  # 9 positions before, 5 of them out of every window
+    assert cache.starts == [5] and cache.columns == [13]
+    cache.set_lengths([9])  # the window before the forward that slid: kept
+    with pytest.raises(ValueError, match="cannot become 8"):
+        cache.set_lengths([8])
+    assert isinstance(cache.extract(0), RotatingKVCache)
+    assert cache.extract(0).keys.shape[2] == 4
+
+
+# ---- the batched speculative engine ----------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_windowed_rows_drafting_in_a_batch_each_equal_solo_plain_decoding(windowed, n):
+    _, _, reference, (_, engine) = windowed
+    requests, expected = mixed_requests(reference, n)
+    seqs, outputs, drafted = run_batch(engine, requests)
+    assert_rows_equal(seqs, outputs, expected)
+    assert drafted > 0, "rows drafted while batched"
+    accepted = sum(seq.spec.accepted_tokens for seq in seqs.values())
+    rejected = sum(seq.spec.draft_tokens - seq.spec.accepted_tokens for seq in seqs.values())
+    assert accepted > 0 and rejected > 0, "rows kept different numbers of positions"
+
+
+def test_long_windowed_rows_stay_exact_over_many_slides(windowed):
+    """240 tokens per row (15 windows), PLD on output that loops beside a row drafting
+    with the draft model (a different random model: mostly rejected)."""
+    _, _, reference, (_, engine) = windowed
+    tokenizer = reference.tokenizer
+    bias = repetitive_bias(tokenizer)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:2]]
+    looping = SamplingParams(temperature=0.0, logit_bias=bias)
+    requests = [
+        GenerationRequest(
+            "pld",
+            tuple(prompts[0]),
+            240,
+            looping,
+            ignore_eos=True,
+            speculation=SpeculationOverrides(enable_draft=False),
+        ),
+        greedy_request(
+            "draft", prompts[1], 240, speculation=SpeculationOverrides(enable_pld=False)
+        ),
+    ]
+    seqs, outputs, drafted = run_batch(engine, requests)
+    processors = make_logits_processors(logit_bias=dict(bias))
+    expected = {
+        "pld": reference.greedy_tokens(prompts[0], 240, logits_processors=processors),
+        "draft": reference.greedy_tokens(prompts[1], 240),
+    }
+    assert_rows_equal(seqs, outputs, expected)
+    assert seqs["pld"].spec.accepted_tokens > 0, "prompt lookup kept runs of drafts"
+    assert seqs["draft"].spec.draft_tokens > 0, "the (unrelated) draft model drafted too"
+
+
+def test_windowed_rows_joining_and_cancelled_while_others_speculate_stay_exact(windowed):
+    _, _, reference, (_, engine) = windowed
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:4]]
+    first = [greedy_request("a", prompts[0], 70), greedy_request("b", prompts[1], 70)]
+    joining = {4: [greedy_request("c", prompts[2], 40)], 9: [greedy_request("d", prompts[3], 30)]}
+    seqs, _, drafted = run_batch(engine, first, join_after=joining, cancel_at={6: ["b"]})
+    assert seqs["a"].generated == reference.greedy_tokens(prompts[0], 70)
+    assert seqs["c"].generated == reference.greedy_tokens(prompts[2], 40)
+    assert seqs["d"].generated == reference.greedy_tokens(prompts[3], 30)
+    assert seqs["b"].finish_reason == FinishReason.CANCELLED
+    assert drafted > 0 and engine.batch_size == 0
+
+
+def test_a_windowed_request_moves_into_the_batch_and_back_out_exactly(windowed):
+    """Single-stream (mlx-lm's RotatingKVCache) -> batch -> single-stream, past the
+    window on both sides."""
+    _, _, reference, (spec, engine) = windowed
+    round_trip_through_the_batch(spec, engine, reference)
+
+
+def test_seeded_windowed_rows_give_their_solo_seeded_tokens_in_a_batch(windowed):
+    _, _, reference, (spec, engine) = windowed
+    registry = engine.registry
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:3]]
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+
+    def seeded(rid, prompt, drafting):
+        overrides = SpeculationOverrides() if drafting else SpeculationOverrides(num_draft_tokens=0)
+        return GenerationRequest(
+            rid, tuple(prompt), 40, sampling, ignore_eos=True, speculation=overrides
+        )
+
+    registry.transfer(spec.name)
+    solo = {}
+    for i, prompt in enumerate(prompts):
+        seq = make_sequence(seeded(f"s{i}", prompt, False), registry.tokenizer)
+        spec.add(seq)
+        while spec.active is not None:
+            spec.step()
+        solo[f"s{i}"] = seq.generated
+    registry.transfer(engine.name)
+    seqs, _, _ = run_batch(engine, [seeded(f"s{i}", p, True) for i, p in enumerate(prompts)])
+    for rid, tokens in solo.items():
+        assert seqs[rid].generated == tokens, rid
+
+
+async def test_served_windowed_model_batches_with_drafting_and_returns_to_single_stream(
+    windowed, perturbed_draft_dir
+):
+    _, path, reference, _ = windowed
+    scheduler = start_scheduler(path, draft_model=str(perturbed_draft_dir))
+    try:
+        assert scheduler.rows_roll_back is True
+        prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:3]]
+        lengths = [120, 20, 25]
+        streams = [
+            scheduler.submit(greedy_request(f"w{i}", p, n))
+            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+        ]
+        results = await asyncio.gather(*(s.collect() for s in streams))
+        for prompt, n, events in zip(prompts, lengths, results, strict=True):
+            assert [t for e in events for t in e.token_ids] == reference.greedy_tokens(prompt, n)
+        assert isinstance(scheduler.batched_engine, BatchedSpeculativeEngine)
+        switches = scheduler.counters.mode_switches
+        assert switches.get(("batched", "speculative"), 0) >= 1, switches
+    finally:
+        scheduler.stop()

@@ -27,6 +27,7 @@ from engines.drafters import (
     shared_prefix,
 )
 from engines.gates import MethodGate, expected_tokens
+from engines.mtp_drafter import MTPState
 from engines.ragged_cache import RaggedKVCache, feed_rows, set_row_length
 from engines.sequence import Sequence
 
@@ -44,6 +45,7 @@ class BatchRow:
     probs: mx.array | None = None  # (k, V) q of a sampled draft-model proposal
     method: str | None = None
     match: int = 0  # the n-gram length of this step's prompt lookup proposal
+    mtp: MTPState | None = None  # its MTP head's bookkeeping (`batched_mtp`), if it may use it
 
     @property
     def tokens(self) -> list[int]:
@@ -100,12 +102,26 @@ def draft_with_model(
     logits = _feed(model, cache, rows, pending)
     last = mx.array([len(p) - 1 for p in pending])
     logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0, :vocab]
+    for row, proposal in zip(rows, chain_rows(model, cache, rows, logits, lengths), strict=True):
+        row.draft_fed.extend(proposal[:-1])  # every draft but the last was fed
+    return k
+
+
+def chain_rows(
+    model, cache: list[RaggedKVCache], rows: list[BatchRow], logits: mx.array, lengths: list[int]
+) -> list[list[int]]:
+    """From each row's next-token `logits` (B, V), `lengths[i]` drafts for row i, each
+    fed to the next forward of `model` (a draft model, or the MTP head's steps) but the
+    last, into `row.drafts` (and `row.probs` when sampled); returns the proposals.
+    A row stops at its own length while others draft on; its cache grows by the
+    drafts it fed, the others keep their length."""
+    k = max(lengths, default=0)
     if k and all(_greedy(row) for row, length in zip(rows, lengths, strict=True) if length):
-        for row, proposal in zip(rows, _greedy_chain(model, cache, logits, lengths), strict=True):
-            row.draft_fed.extend(proposal[:-1])  # every draft but the last was fed
+        proposals = _greedy_chain(model, cache, logits, lengths)
+        for row, proposal in zip(rows, proposals, strict=True):
             if proposal:
                 row.drafts, row.probs = proposal, None
-        return k
+        return proposals
     proposals: list[list[int]] = [[] for _ in rows]
     probs: list[list[mx.array]] = [[] for _ in rows]
     for step in range(k):
@@ -115,12 +131,12 @@ def draft_with_model(
             break
         # a row feeds its draft only if it drafts another after it
         feed = [[t] if step + 1 < lengths[i] else [] for i, t in enumerate(tokens)]
-        logits = _feed(model, cache, rows, feed)[:, 0, :vocab]
+        logits = feed_rows(model, cache, feed)[:, 0, : logits.shape[-1]]
     for i, row in enumerate(rows):
         if lengths[i]:
             row.drafts = proposals[i]
             row.probs = mx.stack(probs[i]) if probs[i] else None
-    return k
+    return proposals
 
 
 def _greedy(row: BatchRow) -> bool:

@@ -48,9 +48,12 @@ from engines.batched_drafting import (
     draft_with_model,
     roll_back_draft,
 )
+from engines.batched_mtp import BatchedMTP, HiddenTap
 from engines.batched_pipeline import InFlight, pipelinable, queue_plain
 from engines.batched_verify import accept_rows, commit_row, process_rows
-from engines.drafters import DRAFT, PLD, DraftState, PromptLookupDrafter
+from engines.drafters import DRAFT, MTP, PLD, DraftState, PromptLookupDrafter
+from engines.mtp import TargetParts
+from engines.mtp_drafter import MTPState
 from engines.prefill_groups import PrefillGroup, next_group
 from engines.ragged_cache import RaggedKVCache, feed_chunk, feed_rows, ragged_from_rows
 from engines.ragged_recurrent import is_recurrent
@@ -78,6 +81,13 @@ class BatchedSpeculativeEngine:
         self.recurrent = any(is_recurrent(c) for c in make_prompt_cache(registry.target.model))
         self.draft_model = registry.draft.model if registry.draft else None
         self.draft_vocab = speculative.drafter.vocab_size if speculative.drafter else 0
+        # the target's MTP head drafts when no draft model does; it needs the hidden
+        # states of every target forward, so the model runs in parts (same logits)
+        self.mtp: BatchedMTP | None = None
+        if registry.mtp is not None and self.draft_model is None:
+            parts = TargetParts(registry.target.model)
+            self.mtp = BatchedMTP(registry.mtp, parts, self.draft_vocab)
+            self.model = HiddenTap(self.model, parts)
         self.config: SpecConfig = speculative.config
         self.initial_gates = speculative.initial_gates
         self.request_k = speculative.request_k
@@ -124,7 +134,10 @@ class BatchedSpeculativeEngine:
         gates = state.gates if state.gates is not None else self.initial_gates(seq)
         pld = state.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
         row = BatchRow(seq, gates, pld)
-        draft_rows = draft_row_cache(self.draft_model, row, state.draft)
+        if self.mtp is not None:  # the head's cache takes the draft cache's place
+            draft_rows = self.mtp.row_cache(row, state.mtp)
+        else:
+            draft_rows = draft_row_cache(self.draft_model, row, state.draft)
         ready = state.cached == len(seq.all_tokens) - 1
         if ready and seq.generated and not self.groups:
             self.settled += self._settle_in_flight()  # rows join only a settled batch
@@ -134,7 +147,7 @@ class BatchedSpeculativeEngine:
         cache = ragged_from_rows([list(state.cache)])
         draft = ragged_from_rows([draft_rows]) if draft_rows is not None else None
         if group is None:
-            self.groups.append(PrefillGroup([row], cache, draft))
+            self.groups.append(PrefillGroup([row], cache, draft, head=self.mtp is not None))
             return
         group.rows.append(row)
         _extend([*group.cache, *(group.draft_cache or [])], [*cache, *(draft or [])])
@@ -168,23 +181,30 @@ class BatchedSpeculativeEngine:
                 if row.seq.request_id == request_id:
                     cached = group.cache[0].held[i]
                     cache = [layer.extract(i) for layer in group.cache]
-                    draft = None
-                    if group.draft_cache is not None:
-                        draft_cache = [layer.extract(i) for layer in group.draft_cache]
-                        draft = DraftState(draft_cache, list(row.draft_fed))
+                    draft, mtp = self._drafter_states(group.draft_cache, group.rows, i)
                     self._leave_group(group, i)
-                    return SequenceState(row.seq, cache, cached, row.gates, row.pld, draft)
+                    return SequenceState(row.seq, cache, cached, row.gates, row.pld, draft, mtp)
         assert self.in_flight is None, "settle() the batch before a row leaves it"
         index = self._index(request_id)
         row = self.rows[index]
         cache = [layer.extract(index) for layer in self.cache]
-        draft = None
-        if self.draft_cache is not None:
-            roll_back_draft(self.draft_cache, self.rows, index)
-            draft = DraftState([layer.extract(index) for layer in self.draft_cache], row.draft_fed)
+        draft, mtp = self._drafter_states(self.draft_cache, self.rows, index)
         self._drop([index])
         cached = len(row.tokens) - 1
-        return SequenceState(row.seq, cache, cached, row.gates, row.pld, draft)
+        return SequenceState(row.seq, cache, cached, row.gates, row.pld, draft, mtp)
+
+    def _drafter_states(
+        self, draft_cache: list | None, rows: list[BatchRow], index: int
+    ) -> tuple[DraftState | None, MTPState | None]:
+        """What a leaving row's model drafter holds: its draft-model cache rolled back
+        to the committed prefix, or its MTP head state with its own head cache."""
+        if draft_cache is None:
+            return None, None
+        if self.mtp is not None:
+            return None, self.mtp.hand_back(draft_cache, rows[index], index)
+        roll_back_draft(draft_cache, rows, index)
+        row = rows[index]
+        return DraftState([layer.extract(index) for layer in draft_cache], row.draft_fed), None
 
     def cancel(self, request_id: str) -> bool:
         for group in self.groups:
@@ -254,7 +274,7 @@ class BatchedSpeculativeEngine:
         the next one before reading this one."""
         started = time.perf_counter()
         inputs = mx.array([row.tokens[-1] for row in self.rows])
-        self.in_flight = queue_plain(self.model, self.cache, self.rows, inputs, ahead=0)
+        self._queue_plain(inputs, ahead=0)
         self.forward_seconds += time.perf_counter() - started
         self._pipelined_at = None  # two steps queued at once: the first is no cadence
         return self._commit_in_flight(queue_next=True)
@@ -268,8 +288,7 @@ class BatchedSpeculativeEngine:
         started = time.perf_counter()
         current, self.in_flight = self.in_flight, None
         if queue_next:
-            inputs = current.tokens
-            self.in_flight = queue_plain(self.model, self.cache, self.rows, inputs, ahead=1)
+            self._queue_plain(current.tokens, ahead=1)
         tokens = current.tokens.tolist()
         self.forward_seconds += time.perf_counter() - started
         held = 0 if queue_next else 1  # tokens a row's cache lacks after the commit
@@ -289,6 +308,15 @@ class BatchedSpeculativeEngine:
         self._plain_ahead = queue_next and bool(self.rows) and self._plan().k == 0
         return outputs
 
+    def _queue_plain(self, inputs: mx.array, ahead: int) -> None:
+        """Queue a plain step; the MTP head gets each row's pair (lazily) at once."""
+        before = list(self.cache[0].held)
+        self.in_flight = queue_plain(self.model, self.cache, self.rows, inputs, ahead)
+        if self.mtp is not None:
+            tokens = self.in_flight.tokens
+            following = [tokens[i : i + 1] for i in range(len(self.rows))]
+            self.mtp.observe(self.rows, self.model.hidden, before, following)
+
     def _observe_plain_cadence(self, rows: int, committed: int, queued: bool) -> None:
         """A plain step as served in the pipeline costs the time between two commits
         (the host's work overlaps the forward): what a drafting step must beat. Only
@@ -307,17 +335,21 @@ class BatchedSpeculativeEngine:
         k = plan.k
         if plan.with_model:
             drafting = time.perf_counter()
-            steady = all(len(row.tokens) - len(row.draft_fed) <= 2 for row in self.rows)
-            forwards = draft_with_model(
-                self.draft_model,
-                self.draft_cache,
-                self.rows,
-                self.draft_vocab,
-                self.prefill_step_size,
-            )
+            if self.mtp is not None:
+                steady = all(row.mtp is None or row.mtp.pending <= 2 for row in self.rows)
+                forwards = self.mtp.draft(self.draft_cache, self.rows)
+            else:
+                steady = all(len(row.tokens) - len(row.draft_fed) <= 2 for row in self.rows)
+                forwards = draft_with_model(
+                    self.draft_model,
+                    self.draft_cache,
+                    self.rows,
+                    self.draft_vocab,
+                    self.prefill_step_size,
+                )
             seconds = time.perf_counter() - drafting
             self.forward_seconds += seconds
-            if steady:  # a long catch-up is not what each drafted token costs
+            if steady and forwards:  # a long catch-up is not what each drafted token costs
                 self.costs.observe_draft(len(self.rows), seconds / forwards)
         outputs = self._verify(k)
         committed = sum(len(output.token_ids) for output in outputs)
@@ -332,10 +364,17 @@ class BatchedSpeculativeEngine:
         group = next_group(self.groups)
         group.started = True
         started = time.perf_counter()
-        feed_chunk(
+        before = list(group.cache[0].held)
+        after = feed_chunk(
             self.model, group.cache, [r.tokens[:-1] for r in group.rows], self.prefill_step_size
         )
-        if group.draft_cache is not None:
+        if self.mtp is not None:  # the head sees the prompt as it is fed, as alone
+            fed = [
+                r.tokens[b + 1 : a + 1] for r, b, a in zip(group.rows, before, after, strict=True)
+            ]
+            self.mtp.observe(group.rows, self.model.hidden, before, fed)
+            self.mtp.feed(group.draft_cache, group.rows)
+        elif group.draft_cache is not None:
             fed = feed_chunk(
                 self.draft_model,
                 group.draft_cache,
@@ -373,11 +412,16 @@ class BatchedSpeculativeEngine:
         that follows it: afterwards each holds all but its newest token again."""
         started = time.perf_counter()
         fed = [[row.tokens[-1]] if i in ready else [] for i, row in enumerate(group.rows)]
-        logits = feed_rows(self.model, group.cache, fed)[mx.array(ready, dtype=mx.int32)]
+        index = mx.array(ready, dtype=mx.int32)
+        before = [group.cache[0].held[i] for i in ready]
+        logits = feed_rows(self.model, group.cache, fed)[index]
         rows = [group.rows[i] for i in ready]
         fed_rows = [fed[i] for i in ready]
         logprobs = process_rows(rows, logits, fed_rows)
         decisions = accept_rows(rows, logprobs, fed_rows)
+        if self.mtp is not None:
+            following = [[token] for _, token in decisions]
+            self.mtp.observe(rows, self.model.hidden[index], before, following)
         self.forward_seconds += time.perf_counter() - started
         outputs = []
         for j, (row, (_, token)) in enumerate(zip(rows, decisions, strict=True)):
@@ -403,7 +447,7 @@ class BatchedSpeculativeEngine:
                     row.match = proposal.match_length
                     acceptance = row.gates[PLD].acceptance(row.match)
                     row_options.append(RowOption(acceptance, len(proposal.tokens), False))
-            if cap > 0 and DRAFT in row.gates and self.draft_model is not None:
+            if cap > 0 and DRAFT in row.gates and (self.draft_model or self.mtp) is not None:
                 row_options.append(RowOption(row.gates[DRAFT].acceptance(), cap, True))
             options.append(row_options)
         k_max = max(caps, default=0)
@@ -413,7 +457,9 @@ class BatchedSpeculativeEngine:
         plan = choose_draft_length(self.costs, options, k_max)
         for row, row_options in zip(self.rows, options, strict=True):
             choose_row_method(row, row_options, plan.k, plan.with_model)
-        if plan.with_model and not any(row.method == DRAFT for row in self.rows):
+            if row.method == DRAFT and self.mtp is not None:
+                row.method = MTP  # the model drafter is the head (counted as itself)
+        if plan.with_model and not any(row.method in (DRAFT, MTP) for row in self.rows):
             plan = self.costs.plan(batch, plan.k, False, plan.tokens)
         return plan
 
@@ -438,6 +484,11 @@ class BatchedSpeculativeEngine:
             logits = self.model(inputs, cache=self.cache)
         logprobs = process_rows(self.rows, logits, fed_rows)
         decisions = accept_rows(self.rows, logprobs, fed_rows)
+        if self.mtp is not None:  # each row's kept positions, with the token after each
+            following = [
+                [*fed[1 : 1 + a], t] for fed, (a, t) in zip(fed_rows, decisions, strict=True)
+            ]
+            self.mtp.observe(self.rows, self.model.hidden, lengths, following)
         self.costs.observe_target(len(self.rows) * width, time.perf_counter() - started)
         self.forward_seconds += time.perf_counter() - started
         kept = [
@@ -465,7 +516,7 @@ class BatchedSpeculativeEngine:
             else:
                 assert self.cache[0].held[i] == len(row.tokens) - 1, "target row out of step"
             outputs.append(output)
-        if self.draft_cache is not None:
+        if self.draft_cache is not None and self.mtp is None:
             assert all(
                 layer.lengths[i] == len(r.draft_fed)
                 for layer in self.draft_cache[:1]
@@ -476,8 +527,9 @@ class BatchedSpeculativeEngine:
 
     def _record(self, row: BatchRow, drafted: int, accepted: int) -> None:
         row.seq.spec.record(row.method, drafted, accepted)
-        gate = row.gates[row.method]
-        k_max = self._row_cap(row, row.method) or drafted
+        method = DRAFT if row.method == MTP else row.method  # one gate per model drafter
+        gate = row.gates[method]
+        k_max = self._row_cap(row, method) or drafted
         match = row.match if row.method == PLD else 0
         if gate.record(drafted, accepted, k_max, self.costs.prior, match=match):
             row.seq.spec.trip("runtime")
@@ -494,11 +546,7 @@ class BatchedSpeculativeEngine:
             for layer in self.cache:
                 layer.held[i] = held
             cache = [layer.extract(i) for layer in self.cache]
-            draft = None
-            if self.draft_cache is not None:
-                roll_back_draft(self.draft_cache, self.rows, i)
-                draft_cache = [layer.extract(i) for layer in self.draft_cache]
-                draft = DraftState(draft_cache, list(row.draft_fed))
+            draft, _ = self._drafter_states(self.draft_cache, self.rows, i)
             self.released.append(SequenceState(row.seq, cache, held, draft=draft))
         if finished:
             self._drop(finished)

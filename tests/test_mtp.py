@@ -358,8 +358,9 @@ async def test_served_greedy_completion_drafts_with_mtp_and_metrics_say_so(serve
 
 
 async def test_concurrent_requests_are_exact_and_a_later_one_drafts_again(served, references):
-    """Beside other requests the hybrid is batched plainly; each output is still its
-    solo greedy decoding, and the next request alone drafts with the head again."""
+    """Beside other requests the hybrid is batched (its head drafting there too, see
+    test_batched_mtp.py); each output is still its solo greedy decoding, and the next
+    request alone drafts with the head again."""
     reference = references["copy"]
     prompts = [reference.tokenizer.encode(p) for p in (STORY, CODE, "Hello there, friend")]
     streams = [served.submit(request(p, 60 + 20 * i, rid=f"c{i}")) for i, p in enumerate(prompts)]

@@ -1,0 +1,163 @@
+"""The MTP head drafting for every row of the batch at once.
+
+Each row keeps its own `MTPState` (`engines.mtp_drafter`: which target positions its
+head entries cover, the pairs not fed yet), as a single-stream request does. The
+head's KV cache for all rows is one `RaggedKVCache` layer kept in the batch's
+draft-cache slot -- a draft model and the head never draft together -- so rows join,
+leave, pause and migrate with their head entries as they do with a draft model's.
+
+Every target forward of the batch runs through `HiddenTap`, which keeps its hidden
+states; the engine hands each row its (hidden state, following token) pairs
+(`MTPState.observe`, lazy arrays). A drafting step first feeds every row's pending
+pairs in one ragged head forward, then chains the head over the rows that draft, one
+forward per drafted position, exactly as a draft model chains (`chain_rows`).
+
+Invariant: head-cache row i holds `rows[i].mtp.length` true entries first; entries
+after them are chained drafts (or padding), cut before the next feed. A restart (a
+stretch the head never saw) sets the length to 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from engines.batched_drafting import BatchRow, chain_rows
+from engines.drafters import DRAFT, MTP
+from engines.mtp import MTPHead, TargetParts
+from engines.mtp_drafter import MTPState
+from engines.ragged_cache import RaggedKVCache
+from engines.rollback import trim_exact
+
+
+class HiddenTap:
+    """The target as the batch calls it (`model(inputs, cache=cache)` -> logits), run
+    as backbone then LM head -- the same ops, the same logits -- keeping the newest
+    forward's hidden states for the MTP head."""
+
+    def __init__(self, model: Any, parts: TargetParts) -> None:
+        self.model = model  # the engine's guarded model: ownership is checked first
+        self.parts = parts
+        self.hidden: mx.array | None = None  # (B, T, D) of the newest forward
+
+    def __call__(self, inputs: mx.array, cache: list) -> mx.array:
+        self.model.guard(inputs)
+        logits, self.hidden = self.parts.forward(inputs, cache)
+        return logits
+
+
+class _HeadSteps:
+    """One chained head step over the batch, shaped like a model for `chain_rows`:
+    the drafted tokens with the head's own previous outputs are the next pairs."""
+
+    def __init__(self, head: MTPHead, parts: TargetParts, out: mx.array) -> None:
+        self.head, self.parts, self.out = head, parts, out
+
+    def __call__(self, tokens: mx.array, cache: list) -> mx.array:
+        self.out = self.head(self.parts.embed_tokens(tokens), self.out, cache[0])
+        return self.parts.logits(self.out)
+
+
+class BatchedMTP:
+    def __init__(self, head: MTPHead, parts: TargetParts, vocab_size: int) -> None:
+        self.head = head
+        self.parts = parts
+        self.vocab_size = vocab_size
+
+    # ---- rows joining and leaving -------------------------------------------------
+
+    def row_cache(self, row: BatchRow, state: MTPState | None) -> list[KVCache]:
+        """The row's head cache as it joins (its chained drafts cut), its state kept
+        with the row; a row that may not draft with the head gets no state."""
+        row.mtp = (state or MTPState()) if DRAFT in row.gates else None
+        if row.mtp is None or row.mtp.cache is None:  # no entries yet (length 0)
+            return self.head.make_cache()
+        cache, row.mtp.cache = row.mtp.cache, None  # the batch holds it now
+        trim_exact(cache, row.mtp.speculative)
+        row.mtp.speculative = 0
+        return cache
+
+    def hand_back(self, cache: list[RaggedKVCache], row: BatchRow, index: int) -> MTPState | None:
+        """The row's state with its own head cache again, as it leaves the batch."""
+        state = row.mtp
+        if state is None:
+            return None
+        head = cache[0].extract(index)
+        trim_exact([head], head.offset - state.length)
+        state.cache, state.speculative = [head], 0
+        return state
+
+    # ---- pairs from the batch's target forwards ---------------------------------
+
+    def observe(
+        self,
+        rows: list[BatchRow],
+        hidden: mx.array,
+        positions: list[int],
+        following: list[list[int] | mx.array],
+    ) -> None:
+        """Row i's target forward at `positions[i]..` gave `hidden[i]`; the tokens
+        after those positions are `following[i]` (as many pairs as it has tokens)."""
+        for i, (row, tokens) in enumerate(zip(rows, following, strict=True)):
+            count = len(tokens) if isinstance(tokens, list) else tokens.size
+            if row.mtp is None or not count:
+                continue
+            tokens = mx.array(tokens) if isinstance(tokens, list) else tokens
+            row.mtp.observe(positions[i], hidden[i, :count], tokens)
+
+    def feed(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> None:
+        """Cut every row's chained entries, then feed each its pending pairs in one
+        ragged head forward (rows with none pad along and keep their length)."""
+        layer = cache[0]
+        states = [row.mtp for row in rows]
+        layer.set_lengths([state.length if state else 0 for state in states])
+        counts = [state.pending if state else 0 for state in states]
+        if not any(counts):
+            return
+        width = max(counts)
+        hidden, tokens = [], []
+        like = next(s.pending_hidden[0] for s, n in zip(states, counts, strict=True) if n)
+        for state, count in zip(states, counts, strict=True):
+            h = mx.concatenate(state.pending_hidden) if count else mx.zeros((0, like.shape[-1]))
+            t = mx.concatenate(state.pending_tokens) if count else mx.zeros((0,), mx.int32)
+            hidden.append(mx.pad(h.astype(like.dtype), [(0, width - count), (0, 0)]))
+            tokens.append(mx.pad(t.astype(mx.int32), [(0, width - count)]))
+        embeddings = self.parts.embed_tokens(mx.stack(tokens))
+        out = self.head(embeddings, mx.stack(hidden), layer)
+        layer.set_lengths(  # padding cut: each row holds its true entries
+            [0 if s is None else s.length + n for s, n in zip(states, counts, strict=True)]
+        )
+        for i, (state, count) in enumerate(zip(states, counts, strict=True)):
+            if count:
+                state.length += count
+                state.newest = out[i : i + 1, count - 1 : count]
+                state.pending_hidden, state.pending_tokens, state.pending = [], [], 0
+
+    # ---- drafting -------------------------------------------------------------------
+
+    def draft(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> int:
+        """`row.draft_length` drafts for every row whose method is MTP and whose head
+        has seen its newest token (the others draft nothing this step). Returns the
+        head forwards the chain ran."""
+        self.feed(cache, rows)
+        ready = [
+            row.method == MTP
+            and row.mtp is not None
+            and row.mtp.newest is not None
+            and row.mtp.start + row.mtp.length == len(row.tokens) - 1
+            for row in rows
+        ]
+        for row, ok in zip(rows, ready, strict=True):
+            if row.method == MTP and not ok:
+                row.method, row.drafts, row.draft_length = None, [], 0
+        lengths = [row.draft_length if ok else 0 for row, ok in zip(rows, ready, strict=True)]
+        if not any(lengths):
+            return 0
+        newest = [row.mtp.newest if ok else None for row, ok in zip(rows, ready, strict=True)]
+        like = next(n for n in newest if n is not None)
+        out = mx.concatenate([like * 0 if n is None else n for n in newest])
+        logits = self.parts.logits(out)[:, 0, : self.vocab_size]
+        chain_rows(_HeadSteps(self.head, self.parts, out), cache, rows, logits, lengths)
+        return max(lengths)

@@ -2,11 +2,14 @@
 relative to a plain decode step, for the model's own cache kinds.
 
 A verify feeds T tokens in one forward; after it, the rejected positions go. Plain KV
-caches trim them (free); recurrent (`ArraysCache`) and sliding-window
-(`RotatingKVCache`) caches cannot, so Tandem restores the state from before the verify
-and replays the accepted run (`engines/rollback.py`): through the recurrent layers alone,
-from their inputs captured during the verify, where the other layers are plain KV caches
-(they trim); through the whole model otherwise (a sliding window). This prints,
+caches trim them (free); recurrent (`ArraysCache`) caches cannot, so Tandem restores the
+state from before the verify and replays the accepted run (`engines/rollback.py`):
+through the recurrent layers alone, from their inputs captured during the verify, where
+the other layers are plain KV caches (they trim); through the whole model otherwise.
+mlx-lm's sliding-window caches (`RotatingKVCache`) cannot trim either; Tandem gives
+those layers windows kept in order that trim (`ragged_cache.trimmable_windows`), and
+for such a model this prints both: mlx-lm's caches (a whole-model replay) and
+Tandem's (a trim), with the plain step each runs at. This prints,
 at a given context length, the median seconds of a plain step, of a T-token verify,
 and of the rollback after it when half the draft was accepted, each as a ratio to
 the plain step: the price drafting must beat on this model.
@@ -15,8 +18,9 @@ For a model with a multi-token-prediction head (Qwen3.5/3.6, Qwen3-Next) it also
 prints what one MTP draft token costs against a plain step (a head of the model's
 shape; its weights do not change the cost).
 
-MODEL is a path or hub id; `random:qwen3_5` / `random:qwen3_next` / `random:lfm2` build
-a random model of that mlx-lm architecture at about 100M parameters offline (cost is
+MODEL is a path or hub id; `random:qwen3_5` / `random:qwen3_next` / `random:lfm2` /
+`random:gpt_oss` (sliding windows of 128 alternating with full attention) build a
+random model of that mlx-lm architecture at about 100M parameters offline (cost is
 shape, not weights). On a Mac, e.g. `tandem bench rollback mlx-community/Qwen3.5-4B-4bit`.
 """
 
@@ -81,6 +85,19 @@ RANDOM = {
         "layer_types": ["conv", "conv", "full_attention"] * 4,
         "rope_theta": 1000000.0,
     },
+    "gpt_oss": {
+        "num_hidden_layers": 12,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 1536,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 6,
+    },
 }
 
 
@@ -117,10 +134,12 @@ def mtp_step_ratio(model, config: dict, repeats: int) -> float | None:
 
 def main(argv: list[str]) -> None:
     from engines.blas import describe_blas
-    from engines.rollback import capturing_inputs, roll_back, take_snapshot
+    from engines.ragged_cache import trimmable_windows
 
     parser = argparse.ArgumentParser(prog="tandem bench rollback", description=__doc__)
-    parser.add_argument("model", help="path or hub id, or random:qwen3_next / random:lfm2")
+    parser.add_argument(
+        "model", help="path or hub id, or random:ARCH (qwen3_5, qwen3_next, lfm2, gpt_oss)"
+    )
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--tokens", default="2,4,8", help="verify widths T")
     parser.add_argument("--repeats", type=int, default=7)
@@ -132,10 +151,24 @@ def main(argv: list[str]) -> None:
         from mlx_lm import load
 
         model, _, config = load(args.model, return_config=True)
+    print(
+        f"model {args.model}: context {args.context}; {mx.default_device()}, BLAS {describe_blas()}"
+    )
+    mtp = mtp_step_ratio(model, config, args.repeats)
+    if mtp is not None:
+        print(f"MTP draft token / pipelined plain step {mtp:.2f} (the model's own head)")
+    measure(model, args)
+    if trimmable_windows(model):  # the same model with the windows Tandem serves it with
+        measure(model, args)
+
+
+def measure(model, args) -> None:
+    """The table for the model's caches as `make_prompt_cache` makes them now."""
+    from engines.rollback import capturing_inputs, roll_back, take_snapshot
+
     cache = make_prompt_cache(model)
     mx.eval(model(mx.zeros((1, args.context), dtype=mx.int32), cache=cache))
     kinds = sorted({type(layer).__name__ for layer in cache})
-
     base_state = take_snapshot(cache)  # the context alone (None: the caches trim)
 
     def feed(count: int):
@@ -143,9 +176,9 @@ def main(argv: list[str]) -> None:
 
     def verify_and_roll_back(count: int, keep: int, capture: bool) -> tuple[float, float]:
         """Seconds of a `count`-token verify, and of rolling back all but its first
-        `keep` positions (the last token and the accepted drafts) -- replaying the
-        recurrent layers alone from the verify's captured inputs, or the whole model;
-        then back to the bare context for the next repeat."""
+        `keep` positions (the last token and the accepted drafts) -- a trim, or
+        replaying the recurrent layers alone from the verify's captured inputs, or the
+        whole model; then back to the bare context for the next repeat."""
         snapshot = take_snapshot(cache)
         started = time.perf_counter()
         with capturing_inputs(model, cache, snapshot if capture else None):
@@ -162,14 +195,14 @@ def main(argv: list[str]) -> None:
         return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
     base, _ = medians(1, 1)
-    print(
-        f"model {args.model}: caches {', '.join(kinds)}; context {args.context}; "
-        f"{mx.default_device()}, BLAS {describe_blas()}; median of {args.repeats}"
-    )
-    print(f"plain step {base * 1000:.1f} ms")
-    mtp = mtp_step_ratio(model, config, args.repeats)
-    if mtp is not None:
-        print(f"MTP draft token / pipelined plain step {mtp:.2f} (the model's own head)")
+    print(f"caches {', '.join(kinds)}: plain step {base * 1000:.1f} ms (median of {args.repeats})")
+    if base_state is None:
+        print("| T | verify / plain | rollback after it, T/2 kept / plain: a trim |")
+        print("|---|---|---|")
+        for count in (int(t) for t in args.tokens.split(",")):
+            verify, back = medians(count, count // 2)
+            print(f"| {count} | {verify / base:.2f} | {back / base:.2f} |")
+        return
     print(
         "| T | verify / plain | rollback after it, T/2 kept / plain: "
         "recurrent layers replayed (Tandem) | whole model replayed |"

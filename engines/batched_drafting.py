@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from engines.batch_costs import RowOption
+from engines.batch_costs import BatchCosts, BatchPlan, RowOption, choose_draft_length
 from engines.drafters import (
     DRAFT,
+    PLD,
     DraftState,
     PromptLookupDrafter,
     choose_draft_token,
@@ -28,7 +29,7 @@ from engines.drafters import (
 )
 from engines.gates import MethodGate, expected_tokens
 from engines.mtp_drafter import MTPState
-from engines.ragged_cache import RaggedKVCache, feed_rows, set_row_length
+from engines.ragged_cache import RaggedKVCache, feed_chunk, feed_rows, set_row_length
 from engines.sequence import Sequence
 
 
@@ -50,6 +51,42 @@ class BatchRow:
     @property
     def tokens(self) -> list[int]:
         return self.seq.all_tokens
+
+
+def plan_rows(
+    rows: list[BatchRow], costs: BatchCosts, row_cap, model_drafter: str | None
+) -> BatchPlan:
+    """Each row's PLD proposal and drafting options, then the step's plan: the draft
+    length K with the best expected tokens per second, and each row's method at K
+    (`model_drafter`, DRAFT or MTP, names the model drafter; None: there is none).
+    `row_cap(row, method)` is the longest draft the row may propose."""
+    options, caps = [], []
+    for row in rows:
+        row.drafts, row.probs, row.method, row.draft_length = [], None, None, 0
+        cap, pld_cap = row_cap(row, DRAFT), row_cap(row, PLD)
+        caps.append(max(cap, pld_cap))
+        row_options = []
+        if pld_cap > 0 and PLD in row.gates:
+            proposal = row.pld.propose(row.tokens, pld_cap)
+            if proposal is not None:
+                row.drafts, row.method = proposal.tokens, PLD
+                row.match = proposal.match_length
+                acceptance = row.gates[PLD].acceptance(row.match)
+                row_options.append(RowOption(acceptance, len(proposal.tokens), False))
+        if cap > 0 and DRAFT in row.gates and model_drafter is not None:
+            row_options.append(RowOption(row.gates[DRAFT].acceptance(), cap, True))
+        options.append(row_options)
+    k_max = max(caps, default=0)
+    if k_max == 0:
+        return costs.plain_plan(len(rows))
+    plan = choose_draft_length(costs, options, k_max)
+    for row, row_options in zip(rows, options, strict=True):
+        choose_row_method(row, row_options, plan.k, plan.with_model)
+        if row.method == DRAFT:  # counted as the model drafter it is (DRAFT or MTP)
+            row.method = model_drafter
+    if plan.with_model and not any(row.method == model_drafter for row in rows):
+        plan = costs.plan(len(rows), plan.k, False, plan.tokens)
+    return plan
 
 
 def choose_row_method(row: BatchRow, options: list[RowOption], k: int, with_model: bool) -> None:
@@ -193,6 +230,44 @@ def _choose(rows, logits, drafting, proposals, probs) -> list[int]:
                 probs[i].append(q[0])
         proposals[i].append(chosen[i])
     return chosen
+
+
+class DraftModelRows:
+    """The draft model as the batch's model drafter: each row's draft-cache row as it
+    joins, fed beside the target's prefill, the rows' proposals (`draft_with_model`),
+    and the cache a row takes with it. `BatchedMTP` (the MTP head) answers the same
+    calls, so the engine never asks which model drafter it has."""
+
+    method = DRAFT
+    fed_with_target = False  # its cache is fed by its own forwards (`draft_fed`)
+
+    def __init__(self, model, vocab_size: int, chunk: int) -> None:
+        self.model = model
+        self.vocab_size = vocab_size
+        self.chunk = chunk
+
+    def join(self, row: BatchRow, draft: DraftState | None, mtp=None) -> list:
+        return draft_row_cache(self.model, row, draft)
+
+    def prefill(self, rows: list[BatchRow], cache: list, before, after) -> None:
+        """Feed the group's draft rows their next prompt chunk (the target's done)."""
+        fed = feed_chunk(self.model, cache, [r.tokens[:-1] for r in rows], self.chunk)
+        for row, length in zip(rows, fed, strict=True):
+            row.draft_fed = row.tokens[:length]
+
+    def draft(self, cache: list, rows: list[BatchRow]) -> tuple[int, bool]:
+        """(draft forwards run, whether every row was caught up: a steady cost)."""
+        steady = all(len(row.tokens) - len(row.draft_fed) <= 2 for row in rows)
+        return draft_with_model(self.model, cache, rows, self.vocab_size, self.chunk), steady
+
+    def leave(self, cache: list, rows: list[BatchRow], index: int) -> tuple[DraftState, None]:
+        roll_back_draft(cache, rows, index)
+        return DraftState([layer.extract(index) for layer in cache], rows[index].draft_fed), None
+
+    def check(self, cache: list, rows: list[BatchRow]) -> None:
+        assert all(cache[0].lengths[i] == len(row.draft_fed) for i, row in enumerate(rows)), (
+            "draft row out of step"
+        )
 
 
 def draft_row_cache(draft_model, row: BatchRow, draft: DraftState | None) -> list | None:

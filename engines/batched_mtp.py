@@ -61,17 +61,24 @@ class _HeadSteps:
 
 
 class BatchedMTP:
-    def __init__(self, head: MTPHead, parts: TargetParts, vocab_size: int) -> None:
+    """The MTP head as the batch's model drafter (the calls `DraftModelRows` answers
+    for a draft model), with the target it needs hidden states from (`target`)."""
+
+    method = MTP
+    fed_with_target = True  # its cache is fed with each target forward's hidden states
+
+    def __init__(self, head: MTPHead, model: Any, guarded: Any, vocab_size: int) -> None:
         self.head = head
-        self.parts = parts
+        self.parts = TargetParts(model)
+        self.target = HiddenTap(guarded, self.parts)  # the batch's target forwards
         self.vocab_size = vocab_size
 
     # ---- rows joining and leaving -------------------------------------------------
 
-    def row_cache(self, row: BatchRow, state: MTPState | None) -> list[KVCache]:
+    def join(self, row: BatchRow, draft=None, mtp: MTPState | None = None) -> list[KVCache]:
         """The row's head cache as it joins (its chained drafts cut), its state kept
         with the row; a row that may not draft with the head gets no state."""
-        row.mtp = (state or MTPState()) if DRAFT in row.gates else None
+        row.mtp = (mtp or MTPState()) if DRAFT in row.gates else None
         if row.mtp is None or row.mtp.cache is None:  # no entries yet (length 0)
             return self.head.make_cache()
         cache, row.mtp.cache = row.mtp.cache, None  # the batch holds it now
@@ -79,33 +86,47 @@ class BatchedMTP:
         row.mtp.speculative = 0
         return cache
 
-    def hand_back(self, cache: list[RaggedKVCache], row: BatchRow, index: int) -> MTPState | None:
-        """The row's state with its own head cache again, as it leaves the batch."""
-        state = row.mtp
+    def leave(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):
+        """(no draft state, the row's MTP state with its own head cache again)."""
+        state = rows[index].mtp
         if state is None:
-            return None
+            return None, None
         head = cache[0].extract(index)
         trim_exact([head], head.offset - state.length)
         state.cache, state.speculative = [head], 0
-        return state
+        return None, state
+
+    def check(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> None:
+        assert all(
+            row.mtp is None or cache[0].lengths[i] >= row.mtp.length for i, row in enumerate(rows)
+        ), "head row out of step"
 
     # ---- pairs from the batch's target forwards ---------------------------------
 
     def observe(
         self,
         rows: list[BatchRow],
-        hidden: mx.array,
         positions: list[int],
         following: list[list[int] | mx.array],
+        index: mx.array | None = None,
     ) -> None:
-        """Row i's target forward at `positions[i]..` gave `hidden[i]`; the tokens
-        after those positions are `following[i]` (as many pairs as it has tokens)."""
+        """Row i's part of the newest target forward (its row `index[i]`, if given)
+        started at `positions[i]`; the tokens after those positions are `following[i]`
+        (as many pairs as it has tokens)."""
+        hidden = self.target.hidden if index is None else self.target.hidden[index]
         for i, (row, tokens) in enumerate(zip(rows, following, strict=True)):
             count = len(tokens) if isinstance(tokens, list) else tokens.size
             if row.mtp is None or not count:
                 continue
             tokens = mx.array(tokens) if isinstance(tokens, list) else tokens
             row.mtp.observe(positions[i], hidden[i, :count], tokens)
+
+    def prefill(self, rows: list[BatchRow], cache: list, before: list[int], after: list[int]):
+        """The head sees the prompt chunk just fed, as it does alone (fed now: a long
+        prompt's hidden states are large)."""
+        fed = [r.tokens[b + 1 : a + 1] for r, b, a in zip(rows, before, after, strict=True)]
+        self.observe(rows, before, fed)
+        self.feed(cache, rows)
 
     def feed(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> None:
         """Cut every row's chained entries, then feed each its pending pairs in one
@@ -137,10 +158,11 @@ class BatchedMTP:
 
     # ---- drafting -------------------------------------------------------------------
 
-    def draft(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> int:
+    def draft(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> tuple[int, bool]:
         """`row.draft_length` drafts for every row whose method is MTP and whose head
         has seen its newest token (the others draft nothing this step). Returns the
-        head forwards the chain ran."""
+        head forwards the chain ran, and whether no row had a backlog to catch up."""
+        steady = all(row.mtp is None or row.mtp.pending <= 2 for row in rows)
         self.feed(cache, rows)
         ready = [
             row.method == MTP
@@ -154,10 +176,10 @@ class BatchedMTP:
                 row.method, row.drafts, row.draft_length = None, [], 0
         lengths = [row.draft_length if ok else 0 for row, ok in zip(rows, ready, strict=True)]
         if not any(lengths):
-            return 0
+            return 0, steady
         newest = [row.mtp.newest if ok else None for row, ok in zip(rows, ready, strict=True)]
         like = next(n for n in newest if n is not None)
         out = mx.concatenate([like * 0 if n is None else n for n in newest])
         logits = self.parts.logits(out)[:, 0, : self.vocab_size]
         chain_rows(_HeadSteps(self.head, self.parts, out), cache, rows, logits, lengths)
-        return max(lengths)
+        return max(lengths), steady

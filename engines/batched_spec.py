@@ -6,8 +6,9 @@ Each step:
      chunk per step, each group in a ragged cache of its own (the running rows keep
      their cadence); a row whose prompt is in joins the batch;
   2. plan: each row proposes from its own n-gram index (PLD); rows that draft with
-     the draft model share one batched draft forward per drafted position, on a
-     ragged draft cache aligned row for row with the target's. The step's draft
+     the model drafter -- a draft model (`batched_drafting`) or the target's MTP head
+     (`batched_mtp`) -- share one batched forward per drafted position, on a ragged
+     draft cache aligned row for row with the target's. The step's draft
      length K maximises expected committed tokens per second (`batch_costs`):
      K = 0 is plain batching, one row is the single-stream rule;
   3. verify: one target forward over `[B, 1 + K]` (shorter drafts padded at the
@@ -22,12 +23,13 @@ Each step:
 Hybrid models (recurrent layers beside attention) batch the same way: their recurrent
 layers hold one `RaggedArraysCache` row per sequence, a verify captures those layers'
 inputs, and each row's state is restored and rerun on exactly its kept tokens
-(`rollback.roll_back_rows`) while the KV layers cut their rows.
+(`rollback.roll_back_rows`) while the KV layers cut their rows. Sliding-window layers
+keep each row's window in order (`RaggedKVCache` with a `window`) and cut like KV.
 
 Invariant after every step: target row i holds exactly `seq.all_tokens[:-1]` (the
 newest token is its next input) -- or, while a plain step is in flight, exactly
 `seq.all_tokens`, the in-flight token being sampled but not committed -- and draft
-row i holds exactly `row.draft_fed`. Both are checked after every step. Requests
+row i holds what its model drafter's invariant says. Both are checked every step. Requests
 move in and out with their caches (`insert` / `extract`, after `settle` commits a
 step in flight), so migration never re-prefills.
 """
@@ -40,22 +42,22 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from engines.batch_costs import BatchCosts, BatchPlan, RowOption, choose_draft_length
-from engines.batched_drafting import (
-    BatchRow,
-    choose_row_method,
-    draft_row_cache,
-    draft_with_model,
-    roll_back_draft,
-)
-from engines.batched_mtp import BatchedMTP, HiddenTap
+from engines.batch_costs import BatchCosts, BatchPlan
+from engines.batched_drafting import BatchRow, DraftModelRows, plan_rows
+from engines.batched_mtp import BatchedMTP
 from engines.batched_pipeline import InFlight, pipelinable, queue_plain
 from engines.batched_verify import accept_rows, commit_row, process_rows
 from engines.drafters import DRAFT, MTP, PLD, DraftState, PromptLookupDrafter
-from engines.mtp import TargetParts
 from engines.mtp_drafter import MTPState
 from engines.prefill_groups import PrefillGroup, next_group
-from engines.ragged_cache import RaggedKVCache, feed_chunk, feed_rows, ragged_from_rows
+from engines.ragged_cache import (
+    RaggedKVCache,
+    extend_rows,
+    feed_chunk,
+    feed_rows,
+    ragged_from_rows,
+    remove_rows,
+)
 from engines.ragged_recurrent import is_recurrent
 from engines.registry import ModelRegistry
 from engines.rollback import capturing_inputs, roll_back_rows, take_snapshot
@@ -79,15 +81,11 @@ class BatchedSpeculativeEngine:
         self.model = registry.model_for(self.name)
         # a hybrid's recurrent rows cannot be cut back when a finished row leaves
         self.recurrent = any(is_recurrent(c) for c in make_prompt_cache(registry.target.model))
-        self.draft_model = registry.draft.model if registry.draft else None
-        self.draft_vocab = speculative.drafter.vocab_size if speculative.drafter else 0
-        # the target's MTP head drafts when no draft model does; it needs the hidden
-        # states of every target forward, so the model runs in parts (same logits)
-        self.mtp: BatchedMTP | None = None
-        if registry.mtp is not None and self.draft_model is None:
-            parts = TargetParts(registry.target.model)
-            self.mtp = BatchedMTP(registry.mtp, parts, self.draft_vocab)
-            self.model = HiddenTap(self.model, parts)
+        self.model_drafter = self._model_drafter(speculative, prefill_step_size)
+        # the MTP head needs the hidden states of every target forward of the batch
+        self.mtp = self.model_drafter if isinstance(self.model_drafter, BatchedMTP) else None
+        if self.mtp is not None:
+            self.model = self.mtp.target  # the same ops and logits, run in two parts
         self.config: SpecConfig = speculative.config
         self.initial_gates = speculative.initial_gates
         self.request_k = speculative.request_k
@@ -105,6 +103,18 @@ class BatchedSpeculativeEngine:
         self.settled: list[StepOutput] = []  # outputs of a settle outside `step`, not yet returned
         self._plain_ahead = False  # the plan after the newest commit was plain
         self._pipelined_at: float | None = None  # when the last call that queued a step ended
+
+    def _model_drafter(
+        self, speculative: SpeculativeEngine, chunk: int
+    ) -> DraftModelRows | BatchedMTP | None:
+        """The draft model, or else the target's own MTP head, or nothing."""
+        registry = self.registry
+        vocab = speculative.drafter.vocab_size if speculative.drafter else 0
+        if registry.draft is not None:
+            return DraftModelRows(registry.draft.model, vocab, chunk)
+        if registry.mtp is not None:
+            return BatchedMTP(registry.mtp, registry.target.model, self.model, vocab)
+        return None
 
     # ---- membership -----------------------------------------------------------------
 
@@ -134,10 +144,8 @@ class BatchedSpeculativeEngine:
         gates = state.gates if state.gates is not None else self.initial_gates(seq)
         pld = state.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
         row = BatchRow(seq, gates, pld)
-        if self.mtp is not None:  # the head's cache takes the draft cache's place
-            draft_rows = self.mtp.row_cache(row, state.mtp)
-        else:
-            draft_rows = draft_row_cache(self.draft_model, row, state.draft)
+        drafter = self.model_drafter
+        draft_rows = drafter.join(row, state.draft, state.mtp) if drafter else None
         ready = state.cached == len(seq.all_tokens) - 1
         if ready and seq.generated and not self.groups:
             self.settled += self._settle_in_flight()  # rows join only a settled batch
@@ -147,10 +155,11 @@ class BatchedSpeculativeEngine:
         cache = ragged_from_rows([list(state.cache)])
         draft = ragged_from_rows([draft_rows]) if draft_rows is not None else None
         if group is None:
-            self.groups.append(PrefillGroup([row], cache, draft, head=self.mtp is not None))
+            fed_with_target = drafter is not None and drafter.fed_with_target
+            self.groups.append(PrefillGroup([row], cache, draft, fed_with_target))
             return
         group.rows.append(row)
-        _extend([*group.cache, *(group.draft_cache or [])], [*cache, *(draft or [])])
+        extend_rows([*group.cache, *(group.draft_cache or [])], [*cache, *(draft or [])])
 
     admit = insert
 
@@ -160,7 +169,8 @@ class BatchedSpeculativeEngine:
         return group if group and group.has_room(pending, self.prefill_step_size) else None
 
     def _join(self, rows: list[BatchRow], caches: list[list], draft_rows: list | None) -> None:
-        self._merge(rows, ragged_from_rows(caches), _ragged_or_none([draft_rows]))
+        draft = ragged_from_rows([draft_rows]) if draft_rows is not None else None
+        self._merge(rows, ragged_from_rows(caches), draft)
 
     def _merge(
         self, rows: list[BatchRow], cache: list[RaggedKVCache], draft: list[RaggedKVCache] | None
@@ -169,7 +179,7 @@ class BatchedSpeculativeEngine:
             self.rows, self.cache, self.draft_cache = list(rows), cache, draft
             return
         self.rows.extend(rows)
-        _extend([*self.cache, *(self.draft_cache or [])], [*cache, *(draft or [])])
+        extend_rows([*self.cache, *(self.draft_cache or [])], [*cache, *(draft or [])])
 
     def extract(self, request_id: str) -> SequenceState:
         """Leave with the target cache of every committed token but the newest, and the
@@ -196,15 +206,8 @@ class BatchedSpeculativeEngine:
     def _drafter_states(
         self, draft_cache: list | None, rows: list[BatchRow], index: int
     ) -> tuple[DraftState | None, MTPState | None]:
-        """What a leaving row's model drafter holds: its draft-model cache rolled back
-        to the committed prefix, or its MTP head state with its own head cache."""
-        if draft_cache is None:
-            return None, None
-        if self.mtp is not None:
-            return None, self.mtp.hand_back(draft_cache, rows[index], index)
-        roll_back_draft(draft_cache, rows, index)
-        row = rows[index]
-        return DraftState([layer.extract(index) for layer in draft_cache], row.draft_fed), None
+        """What a leaving row's model drafter holds: its draft state or MTP state."""
+        return self.model_drafter.leave(draft_cache, rows, index) if draft_cache else (None, None)
 
     def cancel(self, request_id: str) -> bool:
         for group in self.groups:
@@ -221,7 +224,7 @@ class BatchedSpeculativeEngine:
         return False
 
     def _leave_group(self, group: PrefillGroup, index: int) -> None:
-        _remove_rows(group.rows, group.cache, group.draft_cache, [index])
+        remove_rows(group.rows, group.cache, group.draft_cache, [index])
         if not group.rows:
             self.groups.remove(group)
 
@@ -232,7 +235,7 @@ class BatchedSpeculativeEngine:
         if self.in_flight is not None:
             keep = [i for i in range(len(self.rows)) if i not in set(indices)]
             self.in_flight = self.in_flight.kept(keep) if keep else None
-        _remove_rows(self.rows, self.cache, self.draft_cache, indices)
+        remove_rows(self.rows, self.cache, self.draft_cache, indices)
 
     # ---- the step ---------------------------------------------------------------------
 
@@ -314,8 +317,7 @@ class BatchedSpeculativeEngine:
         self.in_flight = queue_plain(self.model, self.cache, self.rows, inputs, ahead)
         if self.mtp is not None:
             tokens = self.in_flight.tokens
-            following = [tokens[i : i + 1] for i in range(len(self.rows))]
-            self.mtp.observe(self.rows, self.model.hidden, before, following)
+            self.mtp.observe(self.rows, before, [tokens[i : i + 1] for i in range(len(self.rows))])
 
     def _observe_plain_cadence(self, rows: int, committed: int, queued: bool) -> None:
         """A plain step as served in the pipeline costs the time between two commits
@@ -335,18 +337,7 @@ class BatchedSpeculativeEngine:
         k = plan.k
         if plan.with_model:
             drafting = time.perf_counter()
-            if self.mtp is not None:
-                steady = all(row.mtp is None or row.mtp.pending <= 2 for row in self.rows)
-                forwards = self.mtp.draft(self.draft_cache, self.rows)
-            else:
-                steady = all(len(row.tokens) - len(row.draft_fed) <= 2 for row in self.rows)
-                forwards = draft_with_model(
-                    self.draft_model,
-                    self.draft_cache,
-                    self.rows,
-                    self.draft_vocab,
-                    self.prefill_step_size,
-                )
+            forwards, steady = self.model_drafter.draft(self.draft_cache, self.rows)
             seconds = time.perf_counter() - drafting
             self.forward_seconds += seconds
             if steady and forwards:  # a long catch-up is not what each drafted token costs
@@ -368,21 +359,8 @@ class BatchedSpeculativeEngine:
         after = feed_chunk(
             self.model, group.cache, [r.tokens[:-1] for r in group.rows], self.prefill_step_size
         )
-        if self.mtp is not None:  # the head sees the prompt as it is fed, as alone
-            fed = [
-                r.tokens[b + 1 : a + 1] for r, b, a in zip(group.rows, before, after, strict=True)
-            ]
-            self.mtp.observe(group.rows, self.model.hidden, before, fed)
-            self.mtp.feed(group.draft_cache, group.rows)
-        elif group.draft_cache is not None:
-            fed = feed_chunk(
-                self.draft_model,
-                group.draft_cache,
-                [r.tokens[:-1] for r in group.rows],
-                self.prefill_step_size,
-            )
-            for row, length in zip(group.rows, fed, strict=True):
-                row.draft_fed = row.tokens[:length]
+        if group.draft_cache is not None:
+            self.model_drafter.prefill(group.rows, group.draft_cache, before, after)
         # Evaluate all of it now, so no later step's timing absorbs this prefill.
         layers = [*group.cache, *(group.draft_cache or [])]
         mx.eval([layer.state for layer in layers if layer.nbytes])
@@ -399,7 +377,7 @@ class BatchedSpeculativeEngine:
             rows = [group.rows[i] for i in ready]
             cache = [layer.take(ready) for layer in group.cache]
             draft = [layer.take(ready) for layer in group.draft_cache or []] or None
-            _remove_rows(group.rows, group.cache, group.draft_cache, ready)
+            remove_rows(group.rows, group.cache, group.draft_cache, ready)
             self._merge(rows, cache, draft)
         done = {o.request_id for o in outputs if o.finish_reason is not None}
         self._release(
@@ -421,7 +399,7 @@ class BatchedSpeculativeEngine:
         decisions = accept_rows(rows, logprobs, fed_rows)
         if self.mtp is not None:
             following = [[token] for _, token in decisions]
-            self.mtp.observe(rows, self.model.hidden[index], before, following)
+            self.mtp.observe(rows, before, following, index)
         self.forward_seconds += time.perf_counter() - started
         outputs = []
         for j, (row, (_, token)) in enumerate(zip(rows, decisions, strict=True)):
@@ -434,34 +412,8 @@ class BatchedSpeculativeEngine:
 
     def _plan(self) -> BatchPlan:
         """Each row's PLD proposal and drafting options; the step's plan."""
-        options, caps = [], []
-        for row in self.rows:
-            row.drafts, row.probs, row.method, row.draft_length = [], None, None, 0
-            cap, pld_cap = self._row_cap(row, DRAFT), self._row_cap(row, PLD)
-            caps.append(max(cap, pld_cap))
-            row_options = []
-            if pld_cap > 0 and PLD in row.gates:
-                proposal = row.pld.propose(row.tokens, pld_cap)
-                if proposal is not None:
-                    row.drafts, row.method = proposal.tokens, PLD
-                    row.match = proposal.match_length
-                    acceptance = row.gates[PLD].acceptance(row.match)
-                    row_options.append(RowOption(acceptance, len(proposal.tokens), False))
-            if cap > 0 and DRAFT in row.gates and (self.draft_model or self.mtp) is not None:
-                row_options.append(RowOption(row.gates[DRAFT].acceptance(), cap, True))
-            options.append(row_options)
-        k_max = max(caps, default=0)
-        batch = len(self.rows)
-        if k_max == 0:
-            return self.costs.plain_plan(batch)
-        plan = choose_draft_length(self.costs, options, k_max)
-        for row, row_options in zip(self.rows, options, strict=True):
-            choose_row_method(row, row_options, plan.k, plan.with_model)
-            if row.method == DRAFT and self.mtp is not None:
-                row.method = MTP  # the model drafter is the head (counted as itself)
-        if plan.with_model and not any(row.method in (DRAFT, MTP) for row in self.rows):
-            plan = self.costs.plan(batch, plan.k, False, plan.tokens)
-        return plan
+        drafter = self.model_drafter.method if self.model_drafter else None
+        return plan_rows(self.rows, self.costs, self._row_cap, drafter)
 
     def _row_cap(self, row: BatchRow, method: str) -> int:
         """The longest draft `method` may propose for the row (the single-stream rule)."""
@@ -488,7 +440,7 @@ class BatchedSpeculativeEngine:
             following = [
                 [*fed[1 : 1 + a], t] for fed, (a, t) in zip(fed_rows, decisions, strict=True)
             ]
-            self.mtp.observe(self.rows, self.model.hidden, lengths, following)
+            self.mtp.observe(self.rows, lengths, following)
         self.costs.observe_target(len(self.rows) * width, time.perf_counter() - started)
         self.forward_seconds += time.perf_counter() - started
         kept = [
@@ -516,12 +468,8 @@ class BatchedSpeculativeEngine:
             else:
                 assert self.cache[0].held[i] == len(row.tokens) - 1, "target row out of step"
             outputs.append(output)
-        if self.draft_cache is not None and self.mtp is None:
-            assert all(
-                layer.lengths[i] == len(r.draft_fed)
-                for layer in self.draft_cache[:1]
-                for i, r in enumerate(self.rows)
-            ), "draft row out of step"
+        if self.draft_cache is not None:
+            self.model_drafter.check(self.draft_cache, self.rows)
         self._release(finished)
         return outputs
 
@@ -554,21 +502,3 @@ class BatchedSpeculativeEngine:
     def close(self) -> None:
         self.rows, self.cache, self.draft_cache, self.groups = [], [], None, []
         self.in_flight, self.settled = None, []
-
-
-def _extend(layers: list[RaggedKVCache], extra: list[RaggedKVCache]) -> None:
-    """Append `extra`'s rows to `layers`' (target and draft layers, in the same order)."""
-    for layer, more in zip(layers, extra, strict=True):
-        layer.extend(more)
-
-
-def _remove_rows(rows: list, cache: list[RaggedKVCache], draft, indices: list[int]) -> None:
-    keep = [i for i in range(len(rows)) if i not in set(indices)]
-    for i in sorted(indices, reverse=True):
-        del rows[i]
-    for layer in [*cache, *(draft or [])]:
-        layer.filter(keep)
-
-
-def _ragged_or_none(rows: list) -> list[RaggedKVCache] | None:
-    return None if rows[0] is None else ragged_from_rows(rows)

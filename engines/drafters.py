@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from engines.request import SamplingParams
-from engines.rollback import CacheSnapshot, roll_back, take_snapshot, trim_exact
+from engines.rollback import CacheSnapshot, can_trim, roll_back, take_snapshot, trim_exact
 from engines.sampling import RandomStream, filter_logprobs
 
 if TYPE_CHECKING:
@@ -187,7 +187,7 @@ class DraftModelDrafter:
             state.fed = []
         shared = shared_prefix(state.fed, context)
         if shared < len(state.fed):
-            if can_trim_prompt_cache(state.cache):
+            if can_trim(state.cache, len(state.fed) - shared):
                 trim_exact(state.cache, len(state.fed) - shared)
             elif state.snapshot is not None and state.snapshot_length <= shared:
                 roll_back(state.cache, len(state.fed) - state.snapshot_length, state.snapshot)

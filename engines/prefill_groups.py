@@ -26,7 +26,7 @@ class PrefillGroup:
     rows: list[BatchRow]
     cache: list[RaggedKVCache]
     draft_cache: list[RaggedKVCache] | None
-    head: bool = False  # the draft cache is the MTP head's: fed with each target chunk
+    fed_with_target: bool = False  # the draft cache (the MTP head's) follows the target's
     started: bool = False
     passed_over: int = 0  # prefill chunks other groups ran while this one was oldest
 
@@ -46,7 +46,7 @@ class PrefillGroup:
         """Row `index` holds all but its newest token, in the target and draft caches."""
         row = self.rows[index]
         target = self.cache[0].held[index] == len(row.tokens) - 1
-        if self.draft_cache is None or self.head:
+        if self.draft_cache is None or self.fed_with_target:
             return target
         return target and len(row.draft_fed) == len(row.tokens) - 1
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache
 
 from engines.drafters import DraftState
+from engines.rollback import can_trim, trim_exact
 
 MODEL_KEY = "target"
 MAX_DRAFT_LAG = 16  # a draft cache this many tokens short of the target's is still kept
@@ -50,9 +51,8 @@ class PrefixCache:
         cache, draft = layers[: self._target_layers], layers[self._target_layers :]
         cached = len(tokens) - len(rest)
         if cached == len(tokens):
-            if not can_trim_prompt_cache([*cache, *draft]):
+            if not _trim([*cache, *draft], 1):
                 return None
-            trim_prompt_cache([*cache, *draft], 1)
             cached -= 1
         if cached <= 0:
             return None
@@ -88,9 +88,10 @@ def _trim(cache: list, count: int) -> bool:
     """Trim `count` positions from every layer; False (untouched) if they cannot be."""
     if count == 0:
         return True
-    if not can_trim_prompt_cache(cache):
+    if not can_trim(cache, count):
         return False
-    return trim_prompt_cache(cache, count) == count
+    trim_exact(cache, count)
+    return True
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

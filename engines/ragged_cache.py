@@ -23,17 +23,23 @@ A sliding-window layer (gpt-oss, Gemma 3: mlx-lm's `RotatingKVCache`) is one wit
 roll back by a change of length as well: row i's column 0 holds its position
 `starts[i]`, masks let a query see only the `window` positions up to its own, and
 once a row holds a window's worth that no query can see again, the forward that
-finds it shifts those rows left (`_slide`), keeping the `window` positions before
-that forward -- every position a rollback to its start, or any later query, needs.
-Invariant: a row that has slid (`starts[i] > 0`) holds at least `window` positions.
+finds it shifts those rows left (`_slide`), keeping the `window + SLIDE_SLACK`
+positions before that forward -- every position a rollback to its start, or any
+later query, needs. Invariant: a row that has slid (`starts[i] > 0`) holds at least
+`window` positions. `trimmable_windows` gives a model these caches (one row each)
+for its sliding layers everywhere, so a single sequence rolls back the same way.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from engines.ragged_recurrent import RaggedArraysCache, finish_rows, prepare_rows
+
+SLIDE_SLACK = 8  # positions a slid row keeps past its window: a short trim always fits
 
 
 class RaggedKVCache:
@@ -61,8 +67,11 @@ class RaggedKVCache:
         return self.lengths
 
     @property
-    def offset(self) -> mx.array:
-        """Per-row position of the next token (RoPE offset)."""
+    def offset(self) -> int | mx.array:
+        """Per-row position of the next token (RoPE offset); an int for one row, as
+        mlx-lm's own caches have it."""
+        if len(self.lengths) == 1:
+            return self.lengths[0]
         return mx.array(self.lengths)
 
     @property
@@ -115,7 +124,12 @@ class RaggedKVCache:
         return self.keys, self.values
 
     def is_trimmable(self) -> bool:
-        return True
+        """mlx-lm's question, asked without an amount: yes until a row slid (as its
+        `RotatingKVCache` answers until it wraps); `trimmable(n)` answers for n."""
+        return not any(self.starts)
+
+    def trimmable(self, n: int) -> bool:
+        return all(length - self._floor(i) >= n for i, length in enumerate(self.lengths))
 
     def trim(self, n: int) -> int:
         """Trim every row by n (the protocol's uniform trim); returns what was trimmed."""
@@ -174,50 +188,42 @@ class RaggedKVCache:
         )
         self.lengths += other.lengths
 
-    def extract(self, row: int) -> KVCache | RotatingKVCache:
+    def extract(self, row: int) -> KVCache | RaggedKVCache:
         """Row `row` as a single-sequence cache holding exactly its positions: a
-        `KVCache`, or for a window mlx-lm's `RotatingKVCache` as its own forwards
-        leave one (the newest `window` positions, in temporal order)."""
-        length, start = self.lengths[row], self.starts[row]
-        first = start if self.window is None else max(start, length - self.window)
-        cache = KVCache() if self.window is None else RotatingKVCache(self.window)
+        `KVCache`, or for a window a one-row copy (which trims; see `trimmable_windows`)."""
+        if self.window is not None:
+            return self.take([row])
+        cache = KVCache()
+        length = self.lengths[row]
         if length and self.keys is not None:
-            columns = slice(first - start, length - start)
-            cache.keys = mx.contiguous(self.keys[row : row + 1, :, columns])
-            cache.values = mx.contiguous(self.values[row : row + 1, :, columns])
+            cache.keys = mx.contiguous(self.keys[row : row + 1, :, :length])
+            cache.values = mx.contiguous(self.values[row : row + 1, :, :length])
             cache.offset = length
-            if self.window is not None:
-                if start and length - first < self.window:
-                    raise ValueError("a slid row lost part of its window")
-                cache._idx = length - first
         return cache
 
     @classmethod
-    def from_caches(cls, caches: list[KVCache | RotatingKVCache]) -> RaggedKVCache:
-        """Rows from single-sequence caches: `KVCache`s (each `offset` positions long),
-        or one sliding-window layer's `RotatingKVCache`s (each keeping its window)."""
-        window = _window_of(caches[0])
-        kept = [_positions(cache) for cache in caches]
-        lengths = [cache.offset for cache in caches]
-        starts = [
-            length - (0 if k is None else k.shape[2])
-            for length, (k, _) in zip(lengths, kept, strict=True)
+    def from_caches(cls, caches: list) -> RaggedKVCache:
+        """Rows from single-sequence caches of one layer: `KVCache`s (each `offset`
+        positions long), a sliding window's `RotatingKVCache`s (each keeping its
+        window), or `RaggedKVCache`s (copied, rows in order)."""
+        rows = [
+            c.take(list(range(len(c.lengths)))) if isinstance(c, RaggedKVCache) else cls._row(c)
+            for c in caches
         ]
-        filled = [(k, v) for k, v in kept if k is not None and k.shape[2] > 0]
-        if not filled:
-            return cls(lengths, window=window, starts=starts)
-        capacity = _round_up(
-            max(length - start for length, start in zip(lengths, starts, strict=True)), cls.step
-        )
-        template_k, template_v = filled[0]
-        rows_k, rows_v = [], []
-        for k, v in kept:
-            if k is None or k.shape[2] == 0:
-                k = mx.zeros((1, template_k.shape[1], 0, template_k.shape[3]), template_k.dtype)
-                v = mx.zeros((1, template_v.shape[1], 0, template_v.shape[3]), template_v.dtype)
-            rows_k.append(_pad_to(k, capacity))
-            rows_v.append(_pad_to(v, capacity))
-        return cls(lengths, mx.concatenate(rows_k), mx.concatenate(rows_v), window, starts)
+        merged = rows[0]
+        for more in rows[1:]:
+            merged.extend(more)
+        return merged
+
+    @classmethod
+    def _row(cls, cache: KVCache | RotatingKVCache) -> RaggedKVCache:
+        keys, values = _positions(cache)
+        held = 0 if keys is None else keys.shape[2]
+        row = cls([cache.offset], window=_window_of(cache), starts=[cache.offset - held])
+        if held:
+            capacity = _round_up(held, cls.step)
+            row.keys, row.values = _pad_to(keys, capacity), _pad_to(values, capacity)
+        return row
 
     # ---- internals ------------------------------------------------------------------
 
@@ -229,7 +235,8 @@ class RaggedKVCache:
         """Once some row holds a window's worth of positions no query will see again
         (older than the `window` before this forward, which any rollback keeps), shift
         every row left past its own such positions: one gather, every `window` tokens."""
-        drop = [max(0, b - self.window - s) for b, s in zip(before, self.starts, strict=True)]
+        keep = self.window + SLIDE_SLACK
+        drop = [max(0, b - keep - s) for b, s in zip(before, self.starts, strict=True)]
         if max(drop) < self.window:
             return
         capacity = self.keys.shape[2]
@@ -252,6 +259,27 @@ class RaggedKVCache:
         else:
             self.keys = _pad_to(self.keys, capacity)
             self.values = _pad_to(self.values, capacity)
+
+
+def trimmable_windows(model: Any) -> bool:
+    """Give the model's sliding-window layers one-row `RaggedKVCache`s with their window
+    instead of mlx-lm's `RotatingKVCache`, which cannot trim once it wraps: every cache
+    `make_prompt_cache` makes for the model afterwards has them, so a rejected draft
+    rolls back by a change of length, alone as in the batch, and never replays.
+    Returns whether the model had any such layer."""
+    make_cache = getattr(model, "make_cache", None)
+    if make_cache is None or not any(_slides(c) for c in make_cache()):
+        return False
+
+    def make_trimmable_cache() -> list:
+        return [RaggedKVCache([0], window=c.max_size) if _slides(c) else c for c in make_cache()]
+
+    model.make_cache = make_trimmable_cache
+    return True
+
+
+def _slides(cache: Any) -> bool:
+    return type(cache) is RotatingKVCache and cache.keep == 0
 
 
 def _window_of(cache: KVCache | RotatingKVCache) -> int | None:
@@ -311,6 +339,21 @@ def ragged_from_rows(rows: list[list]) -> list:
         else:
             layers.append(RaggedKVCache.from_caches(caches))
     return layers
+
+
+def extend_rows(layers: list, extra: list) -> None:
+    """Append `extra`'s rows to `layers`' (target and draft layers, in the same order)."""
+    for layer, more in zip(layers, extra, strict=True):
+        layer.extend(more)
+
+
+def remove_rows(rows: list, cache: list, draft: list | None, indices: list[int]) -> None:
+    """Remove `indices` from a batch's rows and from its target and draft caches."""
+    keep = [i for i in range(len(rows)) if i not in set(indices)]
+    for i in sorted(indices, reverse=True):
+        del rows[i]
+    for layer in [*cache, *(draft or [])]:
+        layer.filter(keep)
 
 
 def _tokens_held(row: list) -> int:

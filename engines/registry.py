@@ -17,6 +17,7 @@ from engines.errors import DraftIncompatible
 from engines.gguf_import import import_gguf, is_gguf
 from engines.lockstep import LockstepModel, distributed_group, load_shard
 from engines.packaged_models import CATALOGUE, packaged_gguf
+from engines.ragged_cache import trimmable_windows
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ def load_model(
         model = LockstepModel(model, group)
     else:
         model, tokenizer, config = load(folder, return_config=True)
+        trimmable_windows(model)  # sliding windows roll back without a replay
     return LoadedModel(path=path, model=model, tokenizer=tokenizer, config=config, folder=folder)
 
 

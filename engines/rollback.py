@@ -22,9 +22,7 @@ from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
-    can_trim_prompt_cache,
     make_prompt_cache,
-    trim_prompt_cache,
 )
 
 from engines.lockstep import CacheHandle
@@ -36,19 +34,29 @@ class RollbackError(RuntimeError):
     """A cache could not remove as many positions as asked."""
 
 
+def can_trim(cache: list, n: int) -> bool:
+    """Whether every layer can remove its newest `n` positions: mlx-lm's answer
+    (`is_trimmable`), or for a sliding window kept in order (`RaggedKVCache`), its own
+    for exactly n (it keeps a few positions past its window)."""
+    return all(
+        layer.trimmable(n) if isinstance(layer, RaggedKVCache) else layer.is_trimmable()
+        for layer in cache
+    )
+
+
 def trim_exact(cache: list, n: int) -> None:
     """Remove the newest `n` positions from every layer, or raise."""
     if n <= 0:
         return
-    if not can_trim_prompt_cache(cache):
+    if not can_trim(cache, n):
         # Recurrent state (`ArraysCache`, which has no offset at all) or a sliding
         # window past its size: nothing can be removed.
-        kinds = sorted({type(layer).__name__ for layer in cache if not layer.is_trimmable()})
+        kinds = sorted({type(layer).__name__ for layer in cache if not can_trim([layer], n)})
         raise RollbackError(f"asked to roll back {n} cached tokens, but {', '.join(kinds)} cannot")
     before = [_offset(layer) for layer in cache]
-    trimmed = trim_prompt_cache(cache, n)
+    trimmed = [layer.trim(n) for layer in cache]
     after = [_offset(layer) for layer in cache]
-    if trimmed != n or any(b - a != n for b, a in zip(before, after, strict=True)):
+    if set(trimmed) != {n} or any(b - a != n for b, a in zip(before, after, strict=True)):
         raise RollbackError(f"asked to roll back {n} cached tokens, the cache removed {trimmed}")
 
 
@@ -111,7 +119,7 @@ def roll_back(
     layers' KV caches trim), else to the whole `model`."""
     if n <= 0:
         return
-    if snapshot is None or can_trim_prompt_cache(cache):  # a window not yet full trims
+    if snapshot is None or can_trim(cache, n):  # a window not yet full trims
         trim_exact(cache, n)
         return
     captured = snapshot.inputs
@@ -224,11 +232,12 @@ def _detached(value: Any) -> Any:
 
 
 def supports_rollback(model: Any) -> bool:
-    """True when every layer's cache is a plain `KVCache`, which trims any number of
-    positions exactly (and which the batched engine's ragged cache mirrors); a sharded
-    model's `CacheHandle` is one too."""
+    """True when every layer's cache trims exactly: a plain `KVCache` (which the
+    batched engine's ragged cache mirrors), a sliding window kept in order
+    (`RaggedKVCache`, see `ragged_cache.trimmable_windows`), or a sharded model's
+    `CacheHandle`."""
     return all(
-        type(layer) is KVCache or isinstance(layer, CacheHandle)
+        type(layer) is KVCache or isinstance(layer, (CacheHandle, RaggedKVCache))
         for layer in make_prompt_cache(model)
     )
 
@@ -251,4 +260,6 @@ def supports_batched_rows(model: Any) -> bool:
 
 def _batched_attention(layer: Any) -> bool:
     """A KV cache `RaggedKVCache` mirrors: plain, or a window that keeps no sink."""
-    return type(layer) is KVCache or (type(layer) is RotatingKVCache and layer.keep == 0)
+    if type(layer) is RotatingKVCache:
+        return layer.keep == 0
+    return type(layer) is KVCache or isinstance(layer, RaggedKVCache)

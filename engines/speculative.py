@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs, pad_vocab
 from engines.draft_confidence import ConfidenceCalibration, DraftStop
@@ -48,7 +48,7 @@ from engines.logprobs import token_logprob, token_logprobs
 from engines.mtp import MTPStepModel, TargetParts
 from engines.mtp_drafter import MTPDrafter, MTPState
 from engines.registry import ModelRegistry
-from engines.rollback import capturing_inputs, roll_back, take_snapshot, trim_exact
+from engines.rollback import can_trim, capturing_inputs, roll_back, take_snapshot, trim_exact
 from engines.sampling import coupled_tokens, filter_logprobs, sample_token
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.telemetry import SpecStats
@@ -594,7 +594,7 @@ class SpeculativeEngine:
             return
         committed = len(active.tokens)
         if active.cached > committed:
-            if not can_trim_prompt_cache(active.cache):
+            if not can_trim(active.cache, active.cached - committed):
                 return  # recurrent or windowed: it cannot be cut back to reuse
             trim_exact(active.cache, active.cached - committed)
             active.cached = committed

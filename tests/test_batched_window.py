@@ -4,8 +4,9 @@ layers in a `RotatingKVCache`, which cannot trim once it wraps. In the batch a r
 keeps its window in temporal order (`RaggedKVCache` with a `window`), masked to the
 window and slid left as it fills, so each row rolls back alone by a change of length.
 Every row's output equals its solo plain decoding with mlx-lm, across many slides of a
-16-position window; rows move in and out of the batch both ways, as mlx-lm's own
-`RotatingKVCache` on the single-stream side."""
+16-position window; rows move in and out of the batch both ways, as the same kind of
+one-row windowed caches on the single-stream side (`trimmable_windows`), which roll
+back by a trim too: no replay."""
 
 from __future__ import annotations
 
@@ -14,13 +15,19 @@ import asyncio
 import mlx.core as mx
 import pytest
 from mlx_lm import load
-from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from engines.batched_spec import BatchedSpeculativeEngine
-from engines.ragged_cache import RaggedKVCache, feed_rows, ragged_from_rows
+from engines.ragged_cache import SLIDE_SLACK, RaggedKVCache, feed_rows, ragged_from_rows
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
-from engines.rollback import supports_batched_rows
+from engines.rollback import (
+    RollbackError,
+    supports_batched_rows,
+    supports_rollback,
+    take_snapshot,
+    trim_exact,
+)
 from engines.sequence import FinishReason, make_sequence
 from tests.conftest import Reference, start_scheduler
 from tests.test_batched_speculation import (
@@ -55,11 +62,11 @@ def windows_of(cache: list) -> list[int | None]:
 # ---- the windowed ragged cache --------------------------------------------------------
 
 
-def test_windowed_rows_slide_roll_back_and_hand_back_mlx_lm_caches(windowed):
+def test_windowed_rows_slide_roll_back_and_hand_back_caches_that_continue_exactly(windowed):
     """Three rows of different lengths feed ragged chunks far past the window (several
     slides), rolling back different amounts after each: every row's logits equal its
     single-sequence forward on mlx-lm's own caches, and a row taken out continues
-    exactly as mlx-lm's `RotatingKVCache` would."""
+    exactly as it would have on mlx-lm's own caches."""
     _, _, reference, _ = windowed
     model = reference.model
     assert supports_batched_rows(model)
@@ -68,7 +75,7 @@ def test_windowed_rows_slide_roll_back_and_hand_back_mlx_lm_caches(windowed):
     solo = [make_prompt_cache(model) for _ in range(3)]
     key = mx.random.key(3)
     slid = False
-    for step in range(14):
+    for step in range(40):
         key, sub = mx.random.split(key)
         counts = [(step + i) % 5 + 1 for i in range(3)]
         tokens = mx.random.randint(1, 200, (3, 5), key=sub).tolist()
@@ -83,10 +90,11 @@ def test_windowed_rows_slide_roll_back_and_hand_back_mlx_lm_caches(windowed):
             layer.set_lengths(lengths)
         slid = slid or any(start for layer in cache for start in layer.starts)
     assert slid, "rows slid past their window"
-    assert all(max(layer.columns) <= 3 * SLIDING_WINDOW for layer in cache), "windows stay small"
+    windows = [layer for layer in cache if layer.window]
+    assert all(max(layer.columns) <= 3 * SLIDING_WINDOW for layer in windows), "they stay small"
     for i in range(3):
         taken = [layer.extract(i) for layer in cache]
-        assert {type(c) for c in taken} == {type(c) for c in solo[i]}
+        assert {type(c) for c in taken} == {KVCache, RaggedKVCache}
         nxt = mx.array([[7, 8, 9]])
         got = model(nxt, cache=taken)[0]
         want = model(nxt, cache=solo[i])[0]
@@ -96,14 +104,36 @@ def test_windowed_rows_slide_roll_back_and_hand_back_mlx_lm_caches(windowed):
 def test_a_slid_row_refuses_to_roll_back_past_its_window():
     cache = RaggedKVCache([0], window=4)
     keys = mx.zeros((1, 1, 9, 2))
-    cache.update_and_fetch(keys, keys)  # no slide: nothing was older than the window
-    cache.update_and_fetch(keys, keys)  # 9 positions before, 5 of them out of every window
-    assert cache.starts == [5] and cache.columns == [13]
-    cache.set_lengths([9])  # the window before the forward that slid: kept
-    with pytest.raises(ValueError, match="cannot become 8"):
-        cache.set_lengths([8])
-    assert isinstance(cache.extract(0), RotatingKVCache)
-    assert cache.extract(0).keys.shape[2] == 4
+    for _ in range(3):  # slides once 9 + 9 positions hold more than window + slack
+        cache.update_and_fetch(keys, keys)
+    assert cache.starts == [18 - 4 - SLIDE_SLACK] and cache.offset == 27
+    assert cache.trimmable(27 - 10) and not cache.trimmable(27 - 9)
+    assert not cache.is_trimmable(), "mlx-lm's amount-free question gets a safe no"
+    cache.set_lengths([10])  # the window before the position it next writes: kept
+    with pytest.raises(ValueError, match="cannot become 9"):
+        cache.set_lengths([9])
+    assert cache.trim(5) == 0, "a trim never cuts into the window"
+    with pytest.raises(RollbackError):
+        trim_exact([cache], 1)
+
+
+def test_tandem_serves_sliding_windows_with_caches_that_trim(windowed):
+    """Loaded by Tandem, the sliding layers get windowed caches that roll back by a
+    trim, alone as in the batch: no snapshot to restore, no replay."""
+    _, path, reference, (spec, _) = windowed
+    model = spec.registry.target.model
+    kinds = {type(layer) for layer in make_prompt_cache(model)}
+    assert kinds == {KVCache, RaggedKVCache} and supports_rollback(model)
+    cache = make_prompt_cache(model)
+    prompt = reference.tokenizer.encode(PROMPTS[1] * 3)  # past the window
+    mx.eval(model(mx.array(prompt)[None], cache=cache))
+    assert take_snapshot(cache) is None
+    trim_exact(cache, 5)
+    assert all(layer.offset == len(prompt) - 5 for layer in cache)
+    solo = make_prompt_cache(reference.model)
+    mx.eval(reference.model(mx.array(prompt[:-5])[None], cache=solo))
+    step = mx.array([prompt[-5:]])
+    assert mx.allclose(model(step, cache=cache), reference.model(step, cache=solo), atol=1e-4)
 
 
 # ---- the batched speculative engine ----------------------------------------------------

@@ -1,13 +1,15 @@
-"""Models whose caches cannot trim are served exactly, with speculation: a
-sliding-window Llama (`RotatingKVCache(16)`), gpt-oss (sliding and full attention
-layers alternating, sinks, experts), LFM2 and a Qwen3-Next hybrid
-(`ArraysCache`). The scheduler finds out at load. A rejected draft rolls back by
-restoring the caches' state from before the verify and replaying the accepted tokens
-(target and draft model alike); one request drafts (PLD, the draft model). With a draft
-model of their own kind (recurrent or windowed, as here), concurrent requests go into
-mlx-lm's BatchGenerator and never migrate back out of it (`test_batched_hybrid.py` has
-hybrids drafting inside the batch, with a plain-KV draft). Greedy
-output equals `mlx_lm.generate_step` on the same checkpoint; every trim is checked."""
+"""Models whose mlx-lm caches cannot trim are served exactly, with speculation: a
+sliding-window Llama (`RotatingKVCache(16)` in mlx-lm), gpt-oss (sliding and full
+attention layers alternating, sinks, experts), LFM2 and a Qwen3-Next hybrid
+(`ArraysCache`). The scheduler finds out at load. Sliding windows get caches that
+trim (`ragged_cache.trimmable_windows`: the window kept in order, a few positions
+past it), so their drafts roll back by a trim, alone and in the batch, with a
+windowed draft model too. Recurrent state rolls back by restoring the caches' state
+from before the verify and replaying the accepted tokens (target and draft model
+alike); with a recurrent draft model, concurrent requests go into mlx-lm's
+BatchGenerator and never migrate back out of it (`test_batched_hybrid.py` has hybrids
+drafting inside the batch, with a plain-KV draft). Greedy output equals
+`mlx_lm.generate_step` on the same checkpoint; every trim is checked."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from mlx_lm.sample_utils import make_logits_processors
 
 from engines.batched import BatchedEngine
+from engines.batched_spec import BatchedSpeculativeEngine
+from engines.ragged_cache import RaggedKVCache
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from engines.rollback import (
@@ -40,6 +44,7 @@ from tests.test_metrics import scrape
 from tests.tiny_archs import SLIDING_WINDOW, build_tiny_arch
 
 ARCHS = ("sliding", "gpt_oss", "lfm2", "qwen3_next")
+WINDOWED = ("sliding", "gpt_oss")  # their caches trim once loaded by Tandem
 CODE_PROMPT = "def add(a, b):\n    return a + b\n" * 4
 PROMPTS = [
     "Once upon a time there was a robot",
@@ -109,12 +114,13 @@ async def collect(stream) -> tuple[list[int], dict | None]:
 @pytest.mark.parametrize("asked", list(DRAFTING))
 async def test_greedy_output_equals_mlx_lm_when_drafting_is_asked_for(served, asked):
     scheduler, reference = served
+    windowed = scheduler.config.model.endswith(WINDOWED)
     prompt = reference.tokenizer.encode(CODE_PROMPT)
     bias = repetitive_bias(reference.tokenizer)
     stream = scheduler.submit(greedy_request(asked, prompt, MAX_TOKENS, bias, DRAFTING[asked]))
     tokens, speculation = await collect(stream)
     assert tokens == expected_tokens(reference, prompt, MAX_TOKENS, bias)
-    assert scheduler.speculation_supported is True and scheduler.rows_roll_back is False
+    assert scheduler.speculation_supported is True and scheduler.rows_roll_back is windowed
     assert speculation["draft_tokens"] > 0, "nothing was drafted: no rollback to test"
     assert scheduler.state == SchedulerState.READY
 
@@ -153,10 +159,12 @@ async def test_seeded_sampling_with_drafts_equals_seeded_sampling_without(served
     assert speculation["draft_tokens"] > 0
 
 
-async def test_concurrent_requests_are_exact_and_never_migrate_back(served):
+async def test_concurrent_requests_are_exact_and_migrate_as_their_caches_allow(served):
     """The first request starts alone (drafting) and moves into the batch when the
-    others arrive; a batched row cannot be cut back, so nothing leaves the batch."""
+    others arrive. Recurrent rows in BatchGenerator cannot be cut back, so nothing
+    leaves that batch; sliding windows are batched speculatively, rows leaving at will."""
     scheduler, reference = served
+    windowed = scheduler.config.model.endswith(WINDOWED)
     migrated_before = scheduler.counters.migrated_requests
     bias = repetitive_bias(reference.tokenizer)
     jobs = [
@@ -171,8 +179,10 @@ async def test_concurrent_requests_are_exact_and_never_migrate_back(served):
     results = await asyncio.gather(*(collect(s) for s in streams))
     for (prompt, max_tokens, bias), (tokens, _) in zip(jobs, results, strict=True):
         assert tokens == expected_tokens(reference, prompt, max_tokens, bias)
-    assert scheduler.counters.migrated_requests - migrated_before <= 1  # in, never out
-    assert type(scheduler.batched_engine) is BatchedEngine
+    batched = BatchedSpeculativeEngine if windowed else BatchedEngine
+    assert type(scheduler.batched_engine) is batched
+    if not windowed:
+        assert scheduler.counters.migrated_requests - migrated_before <= 1  # in, never out
     assert scheduler.speculative_engine.active is None
     assert scheduler.state == SchedulerState.READY
 
@@ -210,23 +220,32 @@ async def test_metrics_report_speculation_supported(served, scheduler):
         assert snapshot[("tandem_speculation_supported", ())] == supported
 
 
-def test_supports_rollback_only_for_plain_kv_caches(arch, reference):
-    kind, _, _, arch_reference = arch
+def test_supports_rollback_only_for_caches_that_trim(arch, reference):
+    kind, target, _, arch_reference = arch
     kinds = {type(layer) for layer in make_prompt_cache(arch_reference.model)}
-    windowed = kind in ("sliding", "gpt_oss")
+    windowed = kind in WINDOWED
     assert kinds == {KVCache, RotatingKVCache if windowed else ArraysCache}
     assert supports_rollback(arch_reference.model) is False
     assert supports_snapshot(arch_reference.model) is True
     assert supports_rollback(reference.model) is True
+    # loaded by Tandem, a sliding window keeps its window in order and trims
+    served = ModelRegistry.load(str(target)).target.model
+    served_kinds = {type(layer) for layer in make_prompt_cache(served)}
+    if windowed:
+        assert served_kinds == {KVCache, RaggedKVCache} and supports_rollback(served)
+    else:
+        assert served_kinds == kinds and not supports_rollback(served)
 
 
 async def test_a_draft_that_cannot_trim_drafts_for_a_plain_target(tiny_model_dir, arch):
-    """The arch as the draft model of the tiny Llama: its cache rolls back by snapshot
-    between proposals; the Llama's trims. Output is the Llama's own."""
-    _, target, _, _ = arch
+    """The arch as the draft model of the tiny Llama: its cache rolls back between
+    proposals (by snapshot, or a trim for a window); the Llama's trims. Output is the
+    Llama's own."""
+    kind, target, _, _ = arch
     scheduler = start_scheduler(tiny_model_dir, draft_model=str(target))
     try:
-        assert scheduler.speculation_supported is True and scheduler.rows_roll_back is False
+        windowed = kind in WINDOWED
+        assert scheduler.speculation_supported is True and scheduler.rows_roll_back is windowed
         reference = Reference(*load(str(tiny_model_dir)))
         prompt = reference.tokenizer.encode(CODE_PROMPT)
         ask = DRAFTING["draft"]
@@ -241,8 +260,12 @@ async def test_a_draft_that_cannot_trim_drafts_for_a_plain_target(tiny_model_dir
 
 def test_leaving_the_batch_raises_rather_than_keep_a_token_too_many(arch):
     """BatchGenerator has fed the newest token when a sequence leaves; handing the
-    cache on needs that token removed. A cache that cannot says so, never silently."""
-    _, target, _, reference = arch
+    cache on needs that token removed. A cache that cannot says so, never silently.
+    (Recurrent models only: a sliding window's caches trim, and its batch is Tandem's.)"""
+    kind, target, _, reference = arch
+    if kind in WINDOWED:
+        assert supports_rollback(ModelRegistry.load(str(target)).target.model)
+        return
     registry = ModelRegistry.load(str(target))
     engine = BatchedEngine(registry)
     registry.transfer(engine.name)

@@ -89,6 +89,7 @@ class BatchedEngine:
         self._uids: dict[str, int] = {}  # request id -> uid
         self._gates: dict[str, dict] = {}  # speculative state parked while batched
         self.released: list[SequenceState] = []  # finished sequences' caches, for reuse
+        self.checkpoints: list[SequenceState] = []  # none: BatchGenerator's prompts are its own
 
     @property
     def batch_size(self) -> int:

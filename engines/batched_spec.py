@@ -40,7 +40,7 @@ import logging
 import time
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from engines.batch_costs import BatchCosts, BatchPlan
 from engines.batched_drafting import BatchRow, DraftModelRows, plan_rows
@@ -97,6 +97,8 @@ class BatchedSpeculativeEngine:
         self.groups: list[PrefillGroup] = []
         self._prefilled_last = False  # the previous step was a prefill chunk
         self.released: list[SequenceState] = []  # finished sequences' caches, for reuse
+        self.checkpoint_prompts = False  # keep prompt checkpoints (there is a prefix cache)
+        self.checkpoints: list[SequenceState] = []  # prefilled prompts' caches, for reuse
         self.step_sizes: list[tuple[int, int]] = []  # (rows, drafted) per row this step
         self.forward_seconds = 0.0  # model time of the last step (the rest is overhead)
         self.in_flight: InFlight | None = None  # a plain step queued ahead (`batched_pipeline`)
@@ -368,6 +370,8 @@ class BatchedSpeculativeEngine:
         ready = [i for i, row in enumerate(group.rows) if group.prefilled(i)]
         if not ready:
             return []
+        if self.checkpoint_prompts:
+            self._checkpoint(group, ready)
         outputs = self._first_tokens(group, ready)
         joined = len(self.rows)
         if len(ready) == len(group.rows):
@@ -384,6 +388,16 @@ class BatchedSpeculativeEngine:
             [i for i in range(joined, len(self.rows)) if self.rows[i].seq.request_id in done]
         )
         return outputs
+
+    def _checkpoint(self, group: PrefillGroup, ready: list[int]) -> None:
+        """Prompts just prefilled into caches that cannot be cut back later (recurrent
+        state): each row's, copied out, so the same prompt again starts from here."""
+        for i in ready:
+            cache = [layer.extract(i) for layer in group.cache]
+            if not can_trim_prompt_cache(cache):
+                mx.eval([layer.state for layer in cache])  # not views of the group's
+                held = group.cache[0].held[i]
+                self.checkpoints.append(SequenceState(group.rows[i].seq, cache, held))
 
     def _first_tokens(self, group: PrefillGroup, ready: list[int]) -> list[StepOutput]:
         """Feed the newest token of the `ready` rows of `group` and commit the token

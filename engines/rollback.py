@@ -11,6 +11,7 @@ the registry decides at load whether a model's caches can roll back at all
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -221,6 +222,17 @@ def _layer_list(model: Any, count: int) -> list | None:
             if len(layers) == count:
                 return layers
     return None
+
+
+def detached_copy(cache: list) -> list:
+    """A copy of every layer that later updates of `cache` cannot reach -- free, the
+    arrays are shared values (a prompt checkpoint kept while the sequence goes on)."""
+    copies = []
+    for layer in cache:
+        twin = copy.copy(layer)
+        twin.__dict__.update({k: _detached(v) for k, v in vars(layer).items()})
+        copies.append(twin)
+    return copies
 
 
 def _detached(value: Any) -> Any:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs, pad_vocab
 from engines.draft_confidence import ConfidenceCalibration, DraftStop
@@ -48,7 +48,14 @@ from engines.logprobs import token_logprob, token_logprobs
 from engines.mtp import MTPStepModel, TargetParts
 from engines.mtp_drafter import MTPDrafter, MTPState
 from engines.registry import ModelRegistry
-from engines.rollback import can_trim, capturing_inputs, roll_back, take_snapshot, trim_exact
+from engines.rollback import (
+    can_trim,
+    capturing_inputs,
+    detached_copy,
+    roll_back,
+    take_snapshot,
+    trim_exact,
+)
 from engines.sampling import coupled_tokens, filter_logprobs, sample_token
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.telemetry import SpecStats
@@ -163,6 +170,8 @@ class SpeculativeEngine:
         self.confidence = ConfidenceCalibration()
         self.active: _Active | None = None
         self.released: list[SequenceState] = []  # finished sequences' caches, for reuse
+        self.checkpoint_prompts = False  # keep prompt checkpoints (there is a prefix cache)
+        self.checkpoints: list[SequenceState] = []  # prefilled prompts' caches, for reuse
 
     def describe(self) -> str:
         methods = (["pld"] if self.config.enable_pld else []) + (
@@ -344,7 +353,18 @@ class SpeculativeEngine:
         if active.processors:
             active.history = mx.concat([active.history, chunk])
         active.cached += chunk.size
+        if self.checkpoint_prompts and active.cached == len(active.tokens) - 1:
+            self._checkpoint(active)
         mx.clear_cache()
+
+    def _checkpoint(self, active: _Active) -> None:
+        """A prompt just prefilled into caches that cannot be cut back later (recurrent
+        state, a slid window): keep them as they are now, so the same prompt again --
+        a retry, another choice, a shared document -- starts from here (free: the
+        arrays are shared values until the sequence's own updates replace them)."""
+        if not can_trim_prompt_cache(active.cache):
+            copy = detached_copy(active.cache)
+            self.checkpoints.append(SequenceState(active.seq, copy, active.cached))
 
     def _forward_and_sample(
         self, active: _Active, tokens: mx.array, position: int

@@ -308,6 +308,7 @@ class Scheduler:
     def _load(self) -> None:
         loaded = load_model(self.config)
         self.registry, self._spec = loaded.registry, loaded.engine
+        self._spec.checkpoint_prompts = self._prefix is not None
         self.speculation_supported = loaded.speculation_supported
         self.rows_roll_back = loaded.rows_roll_back
         if self.registry.lockstep is not None:
@@ -660,9 +661,11 @@ class Scheduler:
         BatchGenerator, which batches any cache type but cannot verify drafts."""
         config = self.config
         if self.rows_roll_back:
-            return BatchedSpeculativeEngine(
+            engine = BatchedSpeculativeEngine(
                 self.registry, self._spec, config.batch_prefill_step_size
             )
+            engine.checkpoint_prompts = self._prefix is not None
+            return engine
         return BatchedEngine(self.registry, config.max_num_seqs, config.batch_prefill_step_size)
 
     def _step(self) -> None:
@@ -713,15 +716,17 @@ class Scheduler:
         self._last_step = (shape, now)
 
     def _keep_finished_caches(self, engine) -> None:
-        """Finished requests' caches become prefix-cache entries keyed by exactly the
+        """Finished requests' caches, and prompt checkpoints of caches that cannot be
+        cut back (`checkpoints`), become prefix-cache entries keyed by exactly the
         tokens they hold; a cache claiming more than its committed tokens is dropped
         (a shorter key over a longer KV would corrupt every later hit)."""
-        for state in engine.released:
+        for state in [*engine.released, *engine.checkpoints]:
             tokens = state.seq.all_tokens
             if self._prefix is not None and state.cached <= len(tokens):
                 scope = state.seq.request.cache_scope
                 self._prefix.store(tokens[: state.cached], state.cache, scope, state.draft)
         engine.released.clear()
+        engine.checkpoints.clear()
 
     def _publish(self, output: StepOutput) -> None:
         tracked = self._running.get(output.request_id)

@@ -12,6 +12,7 @@ layers of hidden size 64, with random weights, saved as `config.json` +
   with one full-attention layer in four, mixture-of-experts MLPs.
 * `gpt_oss`: gpt-oss (attention sinks, mixture of experts) whose sliding-window
   layers alternate with full attention, as in the real model.
+* `gemma3`: Gemma 3's text model, five sliding-window layers to one global one.
 * `qwen3_5`: a Qwen3.5 hybrid (dense MLPs, gated attention) whose checkpoint also
   holds `mtp.*` weights, the multi-token-prediction head mlx-lm drops at load
   (`build_tiny_arch(..., mtp=...)` says which head, see `add_mtp_head`).
@@ -74,6 +75,15 @@ CONFIGS: dict[str, dict] = {
             "sliding_attention",
         ],
         "sliding_window": SLIDING_WINDOW,
+    },
+    "gemma3": {  # Gemma 3's text model: five sliding-window layers to one global
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 6,
+        "intermediate_size": 128,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": SLIDING_WINDOW,
+        "sliding_window_pattern": 6,
     },
     "lfm2": {
         "model_type": "lfm2",

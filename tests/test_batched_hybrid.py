@@ -14,13 +14,14 @@ import pytest
 from mlx_lm import load
 from mlx_lm.sample_utils import make_logits_processors
 
-from engines.batched_spec import BatchedSpeculativeEngine
-from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
-from engines.sequence import FinishReason, make_sequence
+from engines.request import GenerationRequest, SamplingParams
+from engines.sequence import FinishReason
 from tests.conftest import Reference, start_scheduler
 from tests.test_batched_speculation import (
     PROMPTS,
     assert_rows_equal,
+    assert_seeded_rows_match_solo,
+    assert_served_batch_is_exact_and_returns,
     greedy_request,
     make_engines,
     mixed_requests,
@@ -93,28 +94,7 @@ def test_a_hybrid_request_moves_into_the_batch_and_back_out_exactly(hybrid):
 
 def test_seeded_hybrid_rows_give_their_solo_seeded_tokens_in_a_batch(hybrid):
     _, _, reference, (spec, engine) = hybrid
-    registry = engine.registry
-    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:3]]
-    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
-
-    def seeded(rid, prompt, drafting):
-        overrides = SpeculationOverrides() if drafting else SpeculationOverrides(num_draft_tokens=0)
-        return GenerationRequest(
-            rid, tuple(prompt), 40, sampling, ignore_eos=True, speculation=overrides
-        )
-
-    registry.transfer(spec.name)
-    solo = {}
-    for i, prompt in enumerate(prompts):
-        seq = make_sequence(seeded(f"s{i}", prompt, False), registry.tokenizer)
-        spec.add(seq)
-        while spec.active is not None:
-            spec.step()
-        solo[f"s{i}"] = seq.generated
-    registry.transfer(engine.name)
-    seqs, _, _ = run_batch(engine, [seeded(f"s{i}", p, True) for i, p in enumerate(prompts)])
-    for rid, tokens in solo.items():
-        assert seqs[rid].generated == tokens, rid
+    assert_seeded_rows_match_solo(spec, engine, reference)
 
 
 async def test_served_hybrid_batches_with_drafting_and_returns_to_single_stream(
@@ -126,19 +106,7 @@ async def test_served_hybrid_batches_with_drafting_and_returns_to_single_stream(
     draft = draft_for(kind, perturbed_draft_dir)
     scheduler = start_scheduler(path, draft_model=str(draft) if draft else None)
     try:
-        assert scheduler.rows_roll_back is True
-        prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:3]]
-        lengths = [120, 20, 25]
-        streams = [
-            scheduler.submit(greedy_request(f"h{i}", p, n))
-            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
-        ]
-        results = await asyncio.gather(*(s.collect() for s in streams))
-        for prompt, n, events in zip(prompts, lengths, results, strict=True):
-            assert [t for e in events for t in e.token_ids] == reference.greedy_tokens(prompt, n)
-        assert isinstance(scheduler.batched_engine, BatchedSpeculativeEngine)
-        switches = scheduler.counters.mode_switches
-        assert switches.get(("batched", "speculative"), 0) >= 1, switches
+        await assert_served_batch_is_exact_and_returns(scheduler, reference)
     finally:
         scheduler.stop()
 

@@ -5,6 +5,7 @@ decoding of that request alone gives."""
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 
 import mlx.core as mx
@@ -280,6 +281,53 @@ def test_rows_joining_and_cancelled_while_others_speculate_stay_exact(perturbed,
     assert seqs["b"].finish_reason == FinishReason.CANCELLED
     assert seqs["b"].generated == reference.greedy_tokens(prompts[1], len(seqs["b"].generated))
     assert drafted > 0 and engine.batch_size == 0
+
+
+def assert_seeded_rows_match_solo(spec, engine, reference, max_tokens: int = 40) -> dict:
+    """Seeded rows drafting in a batch give the tokens each gives alone without
+    drafting (a seeded token depends on seed and position only). Returns the rows."""
+    registry = engine.registry
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:3]]
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+
+    def seeded(rid, prompt, drafting):
+        overrides = SpeculationOverrides() if drafting else SpeculationOverrides(num_draft_tokens=0)
+        return GenerationRequest(
+            rid, tuple(prompt), max_tokens, sampling, ignore_eos=True, speculation=overrides
+        )
+
+    registry.transfer(spec.name)
+    solo = {}
+    for i, prompt in enumerate(prompts):
+        seq = make_sequence(seeded(f"s{i}", prompt, False), registry.tokenizer)
+        spec.add(seq)
+        while spec.active is not None:
+            spec.step()
+        solo[f"s{i}"] = seq.generated
+    registry.transfer(engine.name)
+    seqs, _, _ = run_batch(engine, [seeded(f"s{i}", p, True) for i, p in enumerate(prompts)])
+    for rid, tokens in solo.items():
+        assert seqs[rid].generated == tokens, rid
+    return seqs
+
+
+async def assert_served_batch_is_exact_and_returns(scheduler, reference) -> None:
+    """Three requests of different lengths through the scheduler: batched
+    speculatively (rows roll back alone), each equal to mlx-lm, and the longest back
+    in the single-stream engine once the others are done."""
+    assert scheduler.rows_roll_back is True
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:3]]
+    lengths = [120, 20, 25]
+    streams = [
+        scheduler.submit(greedy_request(f"h{i}", p, n))
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
+    results = await asyncio.gather(*(s.collect() for s in streams))
+    for prompt, n, events in zip(prompts, lengths, results, strict=True):
+        assert [t for e in events for t in e.token_ids] == reference.greedy_tokens(prompt, n)
+    assert isinstance(scheduler.batched_engine, BatchedSpeculativeEngine)
+    switches = scheduler.counters.mode_switches
+    assert switches.get(("batched", "speculative"), 0) >= 1, switches
 
 
 def round_trip_through_the_batch(spec, engine, reference):

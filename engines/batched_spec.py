@@ -60,6 +60,7 @@ from engines.ragged_cache import (
 )
 from engines.ragged_recurrent import is_recurrent
 from engines.registry import ModelRegistry
+from engines.request import at_checkpoint, next_checkpoint
 from engines.rollback import capturing_inputs, roll_back_rows, take_snapshot
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
@@ -358,20 +359,22 @@ class BatchedSpeculativeEngine:
         group.started = True
         started = time.perf_counter()
         before = list(group.cache[0].held)
-        after = feed_chunk(
-            self.model, group.cache, [r.tokens[:-1] for r in group.rows], self.prefill_step_size
-        )
+        targets = [
+            r.tokens[: self._prefill_end(r, held)]
+            for r, held in zip(group.rows, before, strict=True)
+        ]
+        after = feed_chunk(self.model, group.cache, targets, self.prefill_step_size)
         if group.draft_cache is not None:
             self.model_drafter.prefill(group.rows, group.draft_cache, before, after)
         # Evaluate all of it now, so no later step's timing absorbs this prefill.
         layers = [*group.cache, *(group.draft_cache or [])]
         mx.eval([layer.state for layer in layers if layer.nbytes])
         self.forward_seconds += time.perf_counter() - started
+        if self.checkpoint_prompts:
+            self._checkpoint(group, before)
         ready = [i for i, row in enumerate(group.rows) if group.prefilled(i)]
         if not ready:
             return []
-        if self.checkpoint_prompts:
-            self._checkpoint(group, ready)
         outputs = self._first_tokens(group, ready)
         joined = len(self.rows)
         if len(ready) == len(group.rows):
@@ -389,15 +392,22 @@ class BatchedSpeculativeEngine:
         )
         return outputs
 
-    def _checkpoint(self, group: PrefillGroup, ready: list[int]) -> None:
-        """Prompts just prefilled into caches that cannot be cut back later (recurrent
-        state): each row's, copied out, so the same prompt again starts from here."""
-        for i in ready:
+    def _prefill_end(self, row: BatchRow, held: int) -> int:
+        """Where the row's prefill stops next: its prompt's end, or a checkpoint."""
+        end = len(row.tokens) - 1
+        return next_checkpoint(row.seq.request, held, end) if self.checkpoint_prompts else end
+
+    def _checkpoint(self, group: PrefillGroup, before: list[int]) -> None:
+        """Rows whose prompt (or a checkpoint in it) was just prefilled into caches
+        that cannot be cut back later (recurrent state): each row's, copied out, so
+        the same prompt again starts from here."""
+        for i, (row, held) in enumerate(zip(group.rows, group.cache[0].held, strict=True)):
+            if held == before[i] or not at_checkpoint(row.seq.request, held, len(row.tokens) - 1):
+                continue
             cache = [layer.extract(i) for layer in group.cache]
             if not can_trim_prompt_cache(cache):
                 mx.eval([layer.state for layer in cache])  # not views of the group's
-                held = group.cache[0].held[i]
-                self.checkpoints.append(SequenceState(group.rows[i].seq, cache, held))
+                self.checkpoints.append(SequenceState(row.seq, cache, held))
 
     def _first_tokens(self, group: PrefillGroup, ready: list[int]) -> list[StepOutput]:
         """Feed the newest token of the `ready` rows of `group` and commit the token

@@ -72,3 +72,18 @@ class GenerationRequest:
     constraint: Constraint | None = None  # output must match this grammar
     prompt_logprobs: int | None = None  # score the prompt too, with this many alternatives
     cache_scope: str = ""  # prefix reuse only among requests of one scope (an API key's id)
+    # prompt positions to keep a cache at where caches cannot be cut back (the end of a
+    # chat's system prompt: what every conversation with it shares)
+    checkpoints: tuple[int, ...] = ()
+
+
+def next_checkpoint(request: GenerationRequest, cached: int, end: int) -> int:
+    """Where the prefill from `cached` should stop next: the first of the request's
+    checkpoints after it, or `end` (the prompt's last position but one)."""
+    return min((p for p in request.checkpoints if cached < p < end), default=end)
+
+
+def at_checkpoint(request: GenerationRequest, cached: int, end: int) -> bool:
+    """Whether a cache holding `cached` tokens is one to keep: at the prompt's end or at
+    one of its checkpoints."""
+    return cached == end or cached in request.checkpoints

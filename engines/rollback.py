@@ -254,6 +254,16 @@ def supports_rollback(model: Any) -> bool:
     )
 
 
+def cuts_back_anywhere(model: Any) -> bool:
+    """True when every layer's cache can be cut back to any shorter prefix (plain KV):
+    a finished request's cache then serves any prompt that shares a prefix with it,
+    so prompt checkpoints are not needed."""
+    return all(
+        type(layer) in (KVCache, QuantizedKVCache) or isinstance(layer, CacheHandle)
+        for layer in make_prompt_cache(model)
+    )
+
+
 def supports_batched_rows(model: Any) -> bool:
     """True when batched speculation can hold the model's caches with rows that roll
     back alone: plain KV layers and sliding-window layers (`RaggedKVCache`, the window

@@ -48,6 +48,7 @@ from engines.logprobs import token_logprob, token_logprobs
 from engines.mtp import MTPStepModel, TargetParts
 from engines.mtp_drafter import MTPDrafter, MTPState
 from engines.registry import ModelRegistry
+from engines.request import at_checkpoint, next_checkpoint
 from engines.rollback import (
     can_trim,
     capturing_inputs,
@@ -337,8 +338,11 @@ class SpeculativeEngine:
         return outputs
 
     def _prefill_chunk(self, active: _Active) -> None:
-        pending = active.tokens[active.cached : -1]
-        chunk = mx.array(pending[: self.config.prefill_step_size])
+        """Feed the next chunk of the prompt (ending at a checkpoint if one is due)."""
+        end = len(active.tokens) - 1
+        if self.checkpoint_prompts:
+            end = next_checkpoint(active.seq.request, active.cached, end)
+        chunk = mx.array(active.tokens[active.cached : end][: self.config.prefill_step_size])
         if self._feeds_mtp(active):
             # the MTP head sees the prompt too: each position's hidden state with the
             # token after it, fed now (not kept: a long prompt's states are large)
@@ -353,15 +357,16 @@ class SpeculativeEngine:
         if active.processors:
             active.history = mx.concat([active.history, chunk])
         active.cached += chunk.size
-        if self.checkpoint_prompts and active.cached == len(active.tokens) - 1:
+        if self.checkpoint_prompts and at_checkpoint(active.seq.request, active.cached, end):
             self._checkpoint(active)
         mx.clear_cache()
 
     def _checkpoint(self, active: _Active) -> None:
-        """A prompt just prefilled into caches that cannot be cut back later (recurrent
-        state, a slid window): keep them as they are now, so the same prompt again --
-        a retry, another choice, a shared document -- starts from here (free: the
-        arrays are shared values until the sequence's own updates replace them)."""
+        """A prompt (or its checkpoint position) just prefilled into caches that cannot
+        be cut back later (recurrent state, a slid window): keep them as they are now,
+        so the same prompt again -- a retry, another choice, a shared system prompt --
+        starts from here (free: the arrays are shared values until the sequence's own
+        updates replace them)."""
         if not can_trim_prompt_cache(active.cache):
             copy = detached_copy(active.cache)
             self.checkpoints.append(SequenceState(active.seq, copy, active.cached))

@@ -23,7 +23,12 @@ from engines.mtp import (
 )
 from engines.ragged_cache import warm_up
 from engines.registry import ModelRegistry
-from engines.rollback import supports_batched_rows, supports_rollback, supports_snapshot
+from engines.rollback import (
+    cuts_back_anywhere,
+    supports_batched_rows,
+    supports_rollback,
+    supports_snapshot,
+)
 from engines.speculative import SpecConfig, SpeculativeEngine
 from scheduler.config import SchedulerConfig
 
@@ -42,6 +47,8 @@ class ModelInfo:
     context_length: int | None
     has_draft: bool
     grammar: GrammarCompiler  # JSON schemas -> constraints for this tokenizer
+    # caches that cannot be cut back to any prefix: chats keep one at their system prompt
+    prompt_checkpoints: bool = False
 
 
 @dataclass
@@ -109,6 +116,7 @@ def load_model(config: SchedulerConfig) -> Loaded:
         context_length=registry.target.context_length,
         has_draft=registry.draft is not None or registry.mtp is not None,
         grammar=GrammarCompiler(registry.tokenizer),
+        prompt_checkpoints=not cuts_back_anywhere(target),
     )
     info.grammar.warm_in_background()
     return Loaded(registry, engine, drafting, rows_roll_back, info)

@@ -194,12 +194,19 @@ def forced_tool(body: MessagesRequest) -> tuple[bool, str | None]:
 
 
 def render_prompt(
-    tokenizer: Any, body: MessagesPrompt, tools: list | None, think: tuple[str, str] | None
+    tokenizer: Any,
+    body: MessagesPrompt,
+    tools: list | None,
+    think: tuple[str, str] | None,
+    checkpoint_system: bool = False,
 ) -> RenderedChat:
     """The prompt exactly as the model sees it: template render, then any prefill."""
     history, prefill = split_prefill(body.messages)
     messages = normalize_messages(body.system, history)
-    rendered = render_chat(tokenizer, messages, tools, think[0] if think else None)
+    think_start = think[0] if think else None
+    rendered = render_chat(
+        tokenizer, messages, tools, think_start, checkpoint_system=checkpoint_system
+    )
     if not prefill:
         return rendered
     in_reasoning = reasoning_after_prefill(rendered.starts_in_reasoning, prefill, think)
@@ -407,7 +414,8 @@ def sse_event(payload: dict) -> str:
 def to_job(request: Request, body: MessagesRequest, model: str) -> MessageJob:
     info = model_info_of(request)
     tools = template_tools(body)
-    rendered = render_prompt(info.tokenizer, body, tools, output_markers(request).think)
+    think = output_markers(request).think
+    rendered = render_prompt(info.tokenizer, body, tools, think, info.prompt_checkpoints)
     max_tokens = effective_max_tokens(
         body.max_tokens, len(rendered.ids), info.context_length, config_of(request).max_tokens
     )
@@ -425,7 +433,7 @@ def to_job(request: Request, body: MessagesRequest, model: str) -> MessageJob:
         rendered.starts_in_reasoning,
         config_of(request).tool_call_grammar == "auto",
     )
-    gen = replace(gen, constraint=constraint)
+    gen = replace(gen, constraint=constraint, checkpoints=rendered.checkpoints)
     return MessageJob(gen, model, tools, rendered.starts_in_reasoning)
 
 

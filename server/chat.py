@@ -107,6 +107,7 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
         normalize_messages(body.messages),
         tools,
         markers.think[0] if markers.think else None,
+        checkpoint_system=info.prompt_checkpoints,
     )
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = effective_max_tokens(
@@ -132,7 +133,7 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
         rendered.starts_in_reasoning,
         config.tool_call_grammar == "auto",
     )
-    gen = replace(gen, constraint=constraint)
+    gen = replace(gen, constraint=constraint, checkpoints=rendered.checkpoints)
     return ChatJob(gen, model, tools, rendered.starts_in_reasoning, info.tokenizer)
 
 

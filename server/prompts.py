@@ -8,6 +8,7 @@ with the tokenizer's chat template and then encoded the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import takewhile
 from typing import Any
 
 from server.errors import ApiError, bad_request
@@ -87,6 +88,7 @@ class RenderedChat:
     starts_in_reasoning: bool  # the template opened a <think> block for the reply
     marked: str = ""  # `text` with the content's special strings as the escaper's markers
     escaper: Escaper | None = None
+    checkpoints: tuple[int, ...] = ()  # where the system prompt ends (see `render_chat`)
 
 
 def extend_chat(
@@ -96,7 +98,9 @@ def extend_chat(
     escaper = rendered.escaper or Escaper.for_tokenizer(tokenizer)
     marked = (rendered.marked or rendered.text) + escaper.escape(suffix)
     ids = encode_marked(tokenizer, marked, escaper)
-    return RenderedChat(ids, rendered.text + suffix, starts_in_reasoning, marked, escaper)
+    return RenderedChat(
+        ids, rendered.text + suffix, starts_in_reasoning, marked, escaper, rendered.checkpoints
+    )
 
 
 def render_chat(
@@ -105,11 +109,15 @@ def render_chat(
     tools: list | None = None,
     think_start: str | None = None,
     param: str = "messages",
+    checkpoint_system: bool = False,
 ) -> RenderedChat:
     """Render normalised messages ({"role", "content", "tool_calls"?, ...}, with tool
     call arguments as objects) through the model's chat template and encode them.
     Special-token strings inside any message or tool value are encoded as text, so
-    only the template's own markup becomes special ids (see `server.safe_encoding`)."""
+    only the template's own markup becomes special ids (see `server.safe_encoding`).
+    With `checkpoint_system`, `checkpoints` holds where the tokens every conversation
+    with these system messages and tools shares end, as mlx_lm.server finds it: a
+    model whose caches cannot be cut back keeps its cache there for the next one."""
     if not tokenizer.has_chat_template:
         raise ApiError(
             400,
@@ -131,4 +139,32 @@ def render_chat(
     text = escaper.unescape(marked)
     starts_in_reasoning = bool(think_start) and text.rstrip().endswith(think_start)
     ids = encode_marked(tokenizer, marked, escaper)
-    return RenderedChat(ids, text, starts_in_reasoning, marked, escaper)
+    shared = shared_system_end(tokenizer, messages, tools, escaper, ids) if checkpoint_system else 0
+    checkpoints = (shared,) if shared else ()
+    return RenderedChat(ids, text, starts_in_reasoning, marked, escaper, checkpoints)
+
+
+def shared_system_end(
+    tokenizer: Any, messages: list[dict], tools: list | None, escaper: Escaper, ids: list[int]
+) -> int:
+    """How many of `ids` any conversation with the same system messages and tools
+    starts with: the prompt's common prefix with the template rendered for those and
+    an empty user turn (0 when there is nothing to share, or the template refuses)."""
+    system = list(takewhile(lambda m: m["role"] in ("system", "developer"), messages))
+    if not system and not tools:
+        return 0
+    try:
+        probe = tokenizer.apply_chat_template(
+            escaper.escape([*system, {"role": "user", "content": ""}]),
+            tools=escaper.escape(tools) or None,
+            add_generation_prompt=False,
+            tokenize=False,
+        )
+    except Exception:  # noqa: BLE001 - a template may insist on its own turn order
+        return 0
+    shared = 0
+    for a, b in zip(encode_marked(tokenizer, probe, escaper), ids, strict=False):
+        if a != b:
+            break
+        shared += 1
+    return shared if 0 < shared < len(ids) - 1 else 0

@@ -293,6 +293,7 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
         tools,
         markers.think[0] if markers.think else None,
         "input",
+        checkpoint_system=info.prompt_checkpoints,
     )
     max_tokens = output_budget(
         body.max_output_tokens, len(rendered.ids), info.context_length, config.max_tokens
@@ -310,7 +311,7 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
         rendered.starts_in_reasoning,
         config.tool_call_grammar == "auto",
     )
-    gen = replace(gen, constraint=constraint)
+    gen = replace(gen, constraint=constraint, checkpoints=rendered.checkpoints)
     return ResponsesJob(gen, model, body, conversation, tools, rendered.starts_in_reasoning, scope)
 
 

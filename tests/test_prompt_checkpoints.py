@@ -7,7 +7,8 @@ tokens too, and recurrent state cannot be trimmed back to the prompt.
 
 Tiny Qwen3-Next and LFM2 hybrids through the real scheduler, alone (single-stream
 engine) and concurrent (batched engine): the repeat hits, its output equals mlx-lm's
-token for token, and another API key's identical prompt does not hit."""
+token for token, and another API key's identical prompt does not hit. Chats keep a checkpoint
+where their system prompt ends, so another conversation with it starts there."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 from mlx_lm import load
 
 from engines.request import GenerationRequest, SamplingParams
-from tests.conftest import Reference, start_scheduler
+from tests.conftest import Reference, make_client, start_scheduler
 from tests.tiny_archs import build_tiny_arch
 
 PROMPTS = [
@@ -91,3 +92,123 @@ async def test_a_longer_prompt_starts_from_a_checkpoint_of_its_prefix(hybrid):
     tokens, cached = await run(scheduler, request)
     assert tokens == reference.greedy_tokens(longer, 20)
     assert cached >= len(prompt) - 1
+
+
+# ---- chats sharing a system prompt ------------------------------------------------
+
+SYSTEM = "You are a careful assistant who answers in short sentences. " * 6
+
+
+async def chat(client, question: str, system: str = SYSTEM) -> tuple[str, int]:
+    response = await client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"][
+        "cached_tokens"
+    ]
+
+
+async def test_conversations_sharing_a_system_prompt_start_after_it(hybrid, tmp_path):
+    """Different users' first turns with one system prompt: the second starts from the
+    checkpoint the first kept where the system prompt ends (recurrent state cannot be
+    cut back from the first's longer cache), and answers as a server without any
+    prefix cache does."""
+    scheduler, reference = hybrid
+    questions = ["Tell me about robots.", "What is the weather like in the hills?"]
+    shared = shared_system_tokens(reference.tokenizer, questions)
+    async with make_client(scheduler) as client:
+        answers = [await chat(client, q) for q in questions]
+    assert answers[0][1] == 0
+    assert answers[1][1] == shared > len(reference.tokenizer.encode(SYSTEM)) // 2
+    uncached = start_scheduler(scheduler.config.model, prefix_cache_entries=0)
+    try:
+        async with make_client(uncached) as client:
+            plain = [await chat(client, q) for q in questions]
+    finally:
+        uncached.stop()
+    assert [text for text, _ in answers] == [text for text, _ in plain]
+    assert all(cached == 0 for _, cached in plain)
+
+
+def shared_system_tokens(tokenizer, questions: list[str], system: str = SYSTEM) -> int:
+    """The tokens the two rendered conversations share (the system prompt and the
+    user turn's opening), rendered as the server renders them."""
+    from server.prompts import render_chat
+
+    ids = [
+        render_chat(
+            tokenizer,
+            [{"role": "system", "content": system}, {"role": "user", "content": q}],
+            checkpoint_system=True,
+        )
+        for q in questions
+    ]
+    assert ids[0].checkpoints == ids[1].checkpoints
+    return ids[0].checkpoints[0]
+
+
+async def test_concurrent_conversations_share_the_system_checkpoint(hybrid):
+    """Conversations arriving together with one system prompt: at most the first
+    prefills it (the others may start from its checkpoint already); the next ones all
+    start after it, and answer as a server without any prefix cache does."""
+    scheduler, reference = hybrid
+    system = "Answer like a ship's captain, briefly and kindly. " * 6
+    questions = ["Where are we going?", "Is a storm coming?", "Who cooks?", "Any fish?"]
+    async with make_client(scheduler) as client:
+        first = await asyncio.gather(*(chat(client, q, system) for q in questions[:2]))
+        second = await asyncio.gather(*(chat(client, q, system) for q in questions[2:]))
+    shared = shared_system_tokens(reference.tokenizer, questions[2:], system)
+    assert sorted(cached for _, cached in first) in ([0, 0], [0, shared])
+    assert [cached for _, cached in second] == [shared, shared]
+    uncached = start_scheduler(scheduler.config.model, prefix_cache_entries=0)
+    try:
+        async with make_client(uncached) as client:
+            plain = await asyncio.gather(*(chat(client, q, system) for q in questions[2:]))
+    finally:
+        uncached.stop()
+    assert [text for text, _ in second] == [text for text, _ in plain]
+
+
+def test_a_batched_prefill_keeps_checkpoints_that_continue_exactly(tmp_path, tiny_model_dir):
+    """The batched engine prefilling two prompts stops each at its checkpoint and at
+    its end and keeps both caches; a request started from a checkpoint (another
+    question after the shared part) decodes what mlx-lm decodes from scratch."""
+    from engines.sequence import make_sequence
+    from engines.speculative import SequenceState
+    from tests.test_batched_speculation import make_engines, run_batch
+
+    path = build_tiny_arch("qwen3_next", tmp_path / "qwen3_next", tiny_model_dir)
+    reference = Reference(*load(str(path)))
+    _, engine = make_engines(path)
+    engine.checkpoint_prompts = True
+    shared = reference.tokenizer.encode(PROMPTS[0] + " " + PROMPTS[1])
+    prompts = [shared + reference.tokenizer.encode(q) for q in (" Why?", " And then what?")]
+    point = len(shared)
+    requests = [
+        dataclasses.replace(greedy(f"c{i}", p, 20), checkpoints=(point,))
+        for i, p in enumerate(prompts)
+    ]
+    seqs, _, _ = run_batch(engine, requests)
+    for i, prompt in enumerate(prompts):
+        assert seqs[f"c{i}"].generated == reference.greedy_tokens(prompt, 20)
+    kept = sorted(state.cached for state in engine.checkpoints)
+    assert kept == sorted([point, point, len(prompts[0]) - 1, len(prompts[1]) - 1])
+    checkpoint = next(state for state in engine.checkpoints if state.cached == point)
+    engine.checkpoints.clear()
+    follow_up = shared + reference.tokenizer.encode(" What is the moral of it?")
+    seq = make_sequence(greedy("follow", follow_up, 20), engine.registry.tokenizer)
+    engine.insert(SequenceState(seq, checkpoint.cache, point))
+    while engine.batch_size:
+        engine.step()
+    assert seq.generated == reference.greedy_tokens(follow_up, 20)

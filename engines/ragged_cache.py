@@ -268,17 +268,22 @@ def trimmable_windows(model: Any) -> bool:
     rolls back by a change of length, alone as in the batch, and never replays.
     Returns whether the model had any such layer."""
     make_cache = getattr(model, "make_cache", None)
-    if make_cache is None or not any(_slides(c) for c in make_cache()):
+    if make_cache is None or not any(is_sliding_window(c) for c in make_cache()):
         return False
 
     def make_trimmable_cache() -> list:
-        return [RaggedKVCache([0], window=c.max_size) if _slides(c) else c for c in make_cache()]
+        return [
+            RaggedKVCache([0], window=c.max_size) if is_sliding_window(c) else c
+            for c in make_cache()
+        ]
 
     model.make_cache = make_trimmable_cache
     return True
 
 
-def _slides(cache: Any) -> bool:
+def is_sliding_window(cache: Any) -> bool:
+    """mlx-lm's sliding-window cache that a windowed `RaggedKVCache` mirrors: one that
+    keeps no sink positions (`keep` 0; gpt-oss, Gemma 3)."""
     return type(cache) is RotatingKVCache and cache.keep == 0
 
 

@@ -22,12 +22,11 @@ from mlx_lm.models.cache import (
     ArraysCache,
     KVCache,
     QuantizedKVCache,
-    RotatingKVCache,
     make_prompt_cache,
 )
 
 from engines.lockstep import CacheHandle
-from engines.ragged_cache import RaggedKVCache
+from engines.ragged_cache import RaggedKVCache, is_sliding_window
 from engines.ragged_recurrent import RaggedArraysCache, finish_rows, is_recurrent
 
 
@@ -282,6 +281,4 @@ def supports_batched_rows(model: Any) -> bool:
 
 def _batched_attention(layer: Any) -> bool:
     """A KV cache `RaggedKVCache` mirrors: plain, or a window that keeps no sink."""
-    if type(layer) is RotatingKVCache:
-        return layer.keep == 0
-    return type(layer) is KVCache or isinstance(layer, RaggedKVCache)
+    return type(layer) is KVCache or isinstance(layer, RaggedKVCache) or is_sliding_window(layer)

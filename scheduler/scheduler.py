@@ -61,6 +61,7 @@ class Scheduler:
         self.state = SchedulerState.LOADING
         self.error: str | None = None
         self.model_info: ModelInfo | None = None
+        self._checkpoint_prompts = False  # set at load (see `_load`)
         self.registry: ModelRegistry | None = None
         self._inbox: deque[Command] = deque()
         self._wakeup = threading.Condition()
@@ -308,7 +309,10 @@ class Scheduler:
     def _load(self) -> None:
         loaded = load_model(self.config)
         self.registry, self._spec = loaded.registry, loaded.engine
-        self._spec.checkpoint_prompts = self._prefix is not None
+        # prompt checkpoints: only for a prefix cache, only where caches cannot be cut
+        # back to any prefix (plain KV needs none, and copying rows out would be waste)
+        self._checkpoint_prompts = self._prefix is not None and loaded.info.prompt_checkpoints
+        self._spec.checkpoint_prompts = self._checkpoint_prompts
         self.speculation_supported = loaded.speculation_supported
         self.rows_roll_back = loaded.rows_roll_back
         if self.registry.lockstep is not None:
@@ -664,7 +668,7 @@ class Scheduler:
             engine = BatchedSpeculativeEngine(
                 self.registry, self._spec, config.batch_prefill_step_size
             )
-            engine.checkpoint_prompts = self._prefix is not None
+            engine.checkpoint_prompts = self._checkpoint_prompts
             return engine
         return BatchedEngine(self.registry, config.max_num_seqs, config.batch_prefill_step_size)
 

@@ -14,6 +14,13 @@ Entries are partitioned by `scope` (the server passes an id of the caller's API 
 a hit, and the `cached_tokens` it reports, would otherwise tell one user how much of
 their prompt another user has sent (a system prompt, a document). The partitions
 share one LRU and its bounds.
+
+Each entry is of a kind, as in mlx_lm.server: `SYSTEM` (a chat's system prompt and
+tools, the checkpoint every conversation with them starts from), `USER` (a prompt's
+checkpoint) or `ASSISTANT` (a finished request). mlx-lm's LRU evicts finished requests
+first while there are as many of them as prompt checkpoints, and prompt checkpoints
+before system prompts, so a shared system prompt is not pushed out by a busy hour of
+conversations that each leave two entries behind.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from engines.drafters import DraftState
 from engines.rollback import can_trim, trim_exact
 
 MODEL_KEY = "target"
+SYSTEM, USER, ASSISTANT = "system", "user", "assistant"  # mlx-lm's cache types
 MAX_DRAFT_LAG = 16  # a draft cache this many tokens short of the target's is still kept
 
 
@@ -59,11 +67,16 @@ class PrefixCache:
         return PrefixHit(cache, cached, DraftState(draft, list(tokens[:cached])) if draft else None)
 
     def store(
-        self, tokens: list[int], cache: list, scope: str = "", draft: DraftState | None = None
+        self,
+        tokens: list[int],
+        cache: list,
+        scope: str = "",
+        draft: DraftState | None = None,
+        kind: str = ASSISTANT,
     ) -> None:
         """Keep `cache`, which must hold exactly `tokens`, for `scope`'s lookups, with
         the draft cache when it holds nearly all of them too (both are cut to the
-        tokens both hold); the caller gives them up."""
+        tokens both hold); the caller gives them up. `kind` says how long it is kept."""
         if not tokens or not cache:
             return
         draft_layers: list = []
@@ -74,7 +87,8 @@ class PrefixCache:
                 if _trim(cache, len(tokens) - shared):
                     tokens, draft_layers = tokens[:shared], draft.cache
         self._target_layers = len(cache)
-        self._lru.insert_cache((MODEL_KEY, scope), list(tokens), [*cache, *draft_layers])
+        layers = [*cache, *draft_layers]
+        self._lru.insert_cache((MODEL_KEY, scope), list(tokens), layers, cache_type=kind)
 
     @property
     def nbytes(self) -> int:

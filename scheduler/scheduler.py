@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from engines.batched import BatchedEngine
 from engines.batched_spec import BatchedSpeculativeEngine
 from engines.errors import ContextTooLong, InvalidRequest, QueueFull, ServerNotReady
-from engines.prefix_cache import PrefixCache
+from engines.prefix_cache import ASSISTANT, SYSTEM, USER, PrefixCache
 from engines.prompt_scoring import PromptScorer
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest
@@ -722,13 +722,17 @@ class Scheduler:
     def _keep_finished_caches(self, engine) -> None:
         """Finished requests' caches, and prompt checkpoints of caches that cannot be
         cut back (`checkpoints`), become prefix-cache entries keyed by exactly the
-        tokens they hold; a cache claiming more than its committed tokens is dropped
-        (a shorter key over a longer KV would corrupt every later hit)."""
-        for state in [*engine.released, *engine.checkpoints]:
+        tokens they hold, a system prompt's checkpoint kept longest; a cache claiming
+        more than its committed tokens is dropped (a shorter key over a longer KV would
+        corrupt every later hit)."""
+        kept = [(state, ASSISTANT) for state in engine.released]
+        for state in engine.checkpoints:  # a system prompt's end, or a prompt's
+            kept.append((state, SYSTEM if state.cached in state.seq.request.checkpoints else USER))
+        for state, kind in kept:
             tokens = state.seq.all_tokens
             if self._prefix is not None and state.cached <= len(tokens):
                 scope = state.seq.request.cache_scope
-                self._prefix.store(tokens[: state.cached], state.cache, scope, state.draft)
+                self._prefix.store(tokens[: state.cached], state.cache, scope, state.draft, kind)
         engine.released.clear()
         engine.checkpoints.clear()
 

@@ -141,6 +141,26 @@ async def test_conversations_sharing_a_system_prompt_start_after_it(hybrid, tmp_
     assert all(cached == 0 for _, cached in plain)
 
 
+async def test_a_system_checkpoint_outlives_busier_entries(hybrid):
+    """A small prefix cache filled by other requests after a conversation (each leaves a
+    prompt checkpoint and a finished cache): the system prompt's checkpoint is evicted
+    last, so the next conversation with that system prompt still starts after it."""
+    scheduler, reference = hybrid
+    small = start_scheduler(scheduler.config.model, prefix_cache_entries=4)
+    questions = ["Tell me about robots.", "What is the weather like in the hills?"]
+    try:
+        async with make_client(small) as client:
+            assert (await chat(client, questions[0]))[1] == 0
+            for i, text in enumerate(PROMPTS * 3):
+                prompt = reference.tokenizer.encode(f"{i} {text}")
+                _, cached = await run(small, greedy(f"other-{i}", prompt, 4, "key-a"))
+                assert cached == 0
+            answer, cached = await chat(client, questions[1])
+    finally:
+        small.stop()
+    assert cached == shared_system_tokens(reference.tokenizer, questions)
+
+
 def shared_system_tokens(tokenizer, questions: list[str], system: str = SYSTEM) -> int:
     """The tokens the two rendered conversations share (the system prompt and the
     user turn's opening), rendered as the server renders them."""

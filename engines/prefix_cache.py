@@ -12,8 +12,10 @@ model over the whole prompt before its first proposal.
 
 Entries are partitioned by `scope` (the server passes an id of the caller's API key):
 a hit, and the `cached_tokens` it reports, would otherwise tell one user how much of
-their prompt another user has sent (a system prompt, a document). The partitions
-share one LRU and its bounds.
+their prompt another user has sent (a system prompt, a document). Each partition is
+an LRU of its own, and the bounds (entries, bytes) hold over all of them together:
+when they are exceeded, the partition holding the most gives up its oldest entry. So
+one busy key evicts its own entries, not every other user's conversation.
 
 Each entry is of a kind, as in mlx_lm.server: `SYSTEM` (a chat's system prompt and
 tools, the checkpoint every conversation with them starts from), `USER` (a prompt's
@@ -46,14 +48,19 @@ class PrefixHit:
 
 class PrefixCache:
     def __init__(self, max_entries: int = 16, max_bytes: int = 2 << 30) -> None:
-        self._lru = LRUPromptCache(max_size=max_entries, max_bytes=max_bytes)
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._scopes: dict[str, LRUPromptCache] = {}  # only scopes holding entries
         self._target_layers = 0  # an entry's first this-many layers are the target's
 
     def lookup(self, tokens: list[int], scope: str = "") -> PrefixHit | None:
         """The longest cached prefix of `tokens` among `scope`'s entries (a copy); at
         least one token is always left uncached, because the next forward needs an
         input."""
-        layers, rest = self._lru.fetch_nearest_cache((MODEL_KEY, scope), tokens)
+        lru = self._scopes.get(scope)
+        if lru is None:
+            return None
+        layers, rest = lru.fetch_nearest_cache(MODEL_KEY, tokens)
         if layers is None:
             return None
         cache, draft = layers[: self._target_layers], layers[self._target_layers :]
@@ -88,14 +95,32 @@ class PrefixCache:
                     tokens, draft_layers = tokens[:shared], draft.cache
         self._target_layers = len(cache)
         layers = [*cache, *draft_layers]
-        self._lru.insert_cache((MODEL_KEY, scope), list(tokens), layers, cache_type=kind)
+        lru = self._scopes.get(scope)
+        if lru is None:
+            lru = self._scopes[scope] = LRUPromptCache(self.max_entries, self.max_bytes)
+        lru.insert_cache(MODEL_KEY, list(tokens), layers, cache_type=kind)
+        self._fit()
+
+    def _fit(self) -> None:
+        """Back within both bounds, each eviction from the scope that holds the most of
+        what is over (entries, then bytes); a scope left empty is forgotten."""
+        while len(self) > self.max_entries:
+            self._evict_one(max(self._scopes, key=lambda s: len(self._scopes[s])))
+        while self.nbytes > self.max_bytes and self._scopes:
+            self._evict_one(max(self._scopes, key=lambda s: self._scopes[s].nbytes))
+
+    def _evict_one(self, scope: str) -> None:
+        lru = self._scopes[scope]
+        lru.trim_to(n_sequences=len(lru) - 1)  # its oldest of the kind evicted first
+        if len(lru) == 0:
+            del self._scopes[scope]
 
     @property
     def nbytes(self) -> int:
-        return self._lru.nbytes
+        return sum(lru.nbytes for lru in self._scopes.values())
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return sum(len(lru) for lru in self._scopes.values())
 
 
 def _trim(cache: list, count: int) -> bool:

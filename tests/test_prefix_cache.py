@@ -225,6 +225,32 @@ async def test_prefix_cache_is_partitioned_by_api_key(fresh_scheduler):
         assert await openai_chat("key-a") > 0
 
 
+async def test_a_busy_key_evicts_its_own_entries_not_another_keys(tiny_model_dir):
+    """A 4-entry cache on a shared box: key A holds a conversation; key B then sends
+    more requests than the cache holds. B's flood evicts B's older entries, and A's
+    next turn is still served from A's entry (a shared LRU would have dropped it)."""
+    scheduler = start_scheduler(tiny_model_dir, prefix_cache_entries=4)
+    try:
+        async with make_client(scheduler, api_keys=("key-a", "key-b")) as client:
+
+            async def ask(key: str, question: str) -> int:
+                response = await client.post(
+                    "/v1/chat/completions",
+                    json={"messages": chat(question), "max_tokens": 4, "temperature": 0},
+                    headers={"Authorization": f"Bearer {key}"},
+                )
+                assert response.status_code == 200, response.text
+                return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+            assert await ask("key-a", "What is my secret plan?") == 0
+            flood = [await ask("key-b", f"Question number {i} from B?") for i in range(8)]
+            assert flood[0] == 0 and all(cached > 0 for cached in flood[1:])
+            assert await ask("key-a", "What is my secret plan again?") > 0
+        assert len(scheduler._prefix) <= 4
+    finally:
+        scheduler.stop()
+
+
 def _filled(model, tokens: list[int]) -> list:
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -289,3 +315,20 @@ async def test_prefix_hits_with_draft_caches_stay_exact_in_both_engines(
             assert [t for e in events for t in e.token_ids] == expected
     finally:
         scheduler.stop()
+
+
+def test_the_byte_bound_evicts_from_the_scope_holding_the_most_bytes(reference):
+    """Over the byte bound, the scope holding the most bytes gives up its oldest entry;
+    the other scope's entry stays."""
+    tokenizer, model = reference.tokenizer, reference.model
+    texts = ["Once upon a time there was", "The dog ran to the park and", "A bird sang"]
+    entry = _filled(model, tokenizer.encode(texts[0]))
+    cache = PrefixCache(max_entries=10, max_bytes=int(2.5 * sum(c.nbytes for c in entry)))
+    cache.store(tokenizer.encode(texts[0]), entry, scope="a")
+    for text in texts[1:]:
+        cache.store(tokenizer.encode(text), _filled(model, tokenizer.encode(text)), scope="b")
+    assert len(cache) == 2 and cache.nbytes <= cache.max_bytes
+    assert cache.lookup(tokenizer.encode(texts[0]), scope="a") is not None
+    evicted = cache.lookup(tokenizer.encode(texts[1]), scope="b")
+    assert evicted is None or evicted.cached <= 1  # a shared BOS at most
+    assert cache.lookup(tokenizer.encode(texts[2]), scope="b").cached > 1

@@ -4,6 +4,7 @@ tandem bench spec MODEL ...     in-process speculative speed-up suite (bench/spe
 tandem bench single ...         one server process vs mlx-lm, single stream
 tandem bench grammar MODEL      per-token cost of --tool-call-grammar auto
 tandem bench ceiling MODEL      the most prompt lookup could gain in a batch (an oracle bound)
+tandem bench draft-ceiling MODEL --draft-model D   what draft length policies can gain, one stream
 tandem bench distributed MODEL  one model over mlx.launch ranks vs one process, and mlx_lm's
 tandem bench rollback MODEL     verify and rollback cost vs a plain step (recurrent, windowed)
 """
@@ -23,6 +24,7 @@ def main(argv: list[str]) -> None:
         "plot": "bench.plot",
         "grammar": "bench.grammar_cost",
         "ceiling": "bench.ceiling",
+        "draft-ceiling": "bench.draft_ceiling",
         "distributed": "bench.distributed",
         "rollback": "bench.rollback_cost",
     }

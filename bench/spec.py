@@ -64,34 +64,50 @@ def decode_rate(stamps: list[float], tokens: int) -> float:
     return (tokens - 1) / (stamps[-1] - stamps[0])
 
 
-def timed_tokens(steps) -> tuple[float, list[int]]:
-    """Decode rate and tokens of a generator of (token, ...) tuples, as it runs."""
+def rate_of(stamps: list[float], tokens: int, started: float | None) -> float:
+    """The decode rate, or with `started` (end-to-end timing) every token over the time
+    since the request began: prompt prefill of target and draft included, wherever each
+    runner puts it (mlx-lm's speculative loop prefills the draft before its first
+    token, Tandem's engine after it, so the first token comes sooner)."""
+    if started is None:
+        return decode_rate(stamps, tokens)
+    return tokens / (stamps[-1] - started)
+
+
+def timed_tokens(steps, started: float | None = None) -> tuple[float, list[int]]:
+    """Rate (see `rate_of`) and tokens of a generator of (token, ...) tuples, as it runs."""
     tokens, stamps = [], []
     for token, *_ in steps:
         tokens.append(token)
         stamps.append(time.perf_counter())
-    return decode_rate(stamps, len(tokens)), tokens
+    return rate_of(stamps, len(tokens), started), tokens
 
 
-def run_mlx_lm(model, prompt_ids: list[int], max_tokens: int) -> tuple[float, list[int]]:
+def run_mlx_lm(
+    model, prompt_ids: list[int], max_tokens: int, e2e: bool = False
+) -> tuple[float, list[int]]:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    return timed_tokens(generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens))
+    started = time.perf_counter() if e2e else None
+    steps = generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens)
+    return timed_tokens(steps, started)
 
 
-def run_mlx_lm_draft(model, draft, prompt_ids, max_tokens, k) -> tuple[float, list[int]]:
+def run_mlx_lm_draft(model, draft, prompt_ids, max_tokens, k, e2e=False) -> tuple[float, list]:
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
-    return timed_tokens(
-        speculative_generate_step(
-            mx.array(prompt_ids), model, draft, num_draft_tokens=k, max_tokens=max_tokens
-        )
+    started = time.perf_counter() if e2e else None
+    steps = speculative_generate_step(
+        mx.array(prompt_ids), model, draft, num_draft_tokens=k, max_tokens=max_tokens
     )
+    return timed_tokens(steps, started)
 
 
-def run_tandem(engine, prompt_ids, max_tokens, overrides) -> tuple[float, list[int], object]:
+def run_tandem(
+    engine, prompt_ids, max_tokens, overrides, e2e: bool = False
+) -> tuple[float, list[int], object]:
     from engines.request import GenerationRequest, SamplingParams
     from engines.sequence import make_sequence
 
@@ -103,13 +119,14 @@ def run_tandem(engine, prompt_ids, max_tokens, overrides) -> tuple[float, list[i
         ignore_eos=True,
         speculation=overrides,
     )
+    started = time.perf_counter() if e2e else None
     seq = make_sequence(request, engine.registry.tokenizer)
     engine.add(seq)
     stamps = []
     while engine.active is not None:
         for output in engine.step():
             stamps.extend([time.perf_counter()] * len(output.token_ids))
-    return decode_rate(stamps, len(seq.generated)), seq.generated, seq.spec
+    return rate_of(stamps, len(seq.generated), started), seq.generated, seq.spec
 
 
 def overrides_for(config: str):
@@ -143,6 +160,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--limit", type=int, default=0, help="prompts per set (0 = all)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--e2e",
+        action="store_true",
+        help="rates over each request's whole time, prompt prefill of target and draft "
+        "included (default: decode rate after the first token)",
+    )
     parser.add_argument(
         "--configs", default=",".join(CONFIGS), help="which of: " + ", ".join(CONFIGS)
     )
@@ -197,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     print(
         f"run     greedy, max_tokens={args.max_tokens}, repeats={args.repeats}, "
+        f"{'end-to-end rates (prefill included)' if args.e2e else 'decode rates'}, "
         f"k<={args.num_draft_tokens or 'server default'}, "
         f"{args.runs} run(s) with a fresh engine each"
     )
@@ -233,7 +257,7 @@ def run_sets(engine, registry, configs: list[str], args) -> dict[str, dict[str, 
         for _ in range(args.repeats):
             for number, row in enumerate(rows, start=1):
                 prompt_ids = encode_prompt(tokenizer, row)
-                rate, reference = run_mlx_lm(target, prompt_ids, args.max_tokens)
+                rate, reference = run_mlx_lm(target, prompt_ids, args.max_tokens, args.e2e)
                 results[set_name]["mlx-lm"].rates.append(rate)
                 progress = [f"mlx-lm {rate:.2f}"]
                 for config in configs[1:]:
@@ -253,9 +277,9 @@ def run_config(config: str, engine, registry, prompt_ids: list[int], args):
     if config.startswith("mlx-lm+draft"):
         k = int(config.rsplit("=", 1)[1])
         target, draft = registry.target.model, registry.draft.model
-        return *run_mlx_lm_draft(target, draft, prompt_ids, args.max_tokens, k), None
+        return *run_mlx_lm_draft(target, draft, prompt_ids, args.max_tokens, k, args.e2e), None
     overrides = overrides_for(config)
-    return run_tandem(engine, prompt_ids, args.max_tokens, overrides)
+    return run_tandem(engine, prompt_ids, args.max_tokens, overrides, args.e2e)
 
 
 def merged(runs: list[dict[str, dict[str, Result]]]) -> dict[str, dict[str, Result]]:

@@ -1,0 +1,55 @@
+"""`tandem bench draft-ceiling`: its teacher-forced draft runs and its replay, on tiny
+models. A draft identical to the target is accepted everywhere, so every policy's
+replay is checked against what that must give; an unrelated draft is checked against
+the oracle bound."""
+
+from __future__ import annotations
+
+import json
+
+from mlx_lm import load
+
+from bench import draft_ceiling
+from bench.ceiling import greedy_output
+from engines.gates import CostModel
+
+
+def test_a_draft_equal_to_the_target_is_accepted_at_every_position(tiny_model_dir):
+    model, tokenizer = load(str(tiny_model_dir))
+    prompt = tokenizer.encode("Once upon a time")
+    output = greedy_output(model, prompt, 20, set())
+    runs = draft_ceiling.draft_runs(model, prompt, output, 4)
+    assert [p.accepted for p in runs] == [min(4, len(output) - i) for i in range(len(output))]
+    assert all(len(p.confidences) == 4 and 0 < min(p.confidences) <= 1 for p in runs)
+    cost = CostModel((1.0, 1.1, 1.2, 1.3, 1.4), draft_step=0.05)
+    fixed = draft_ceiling.replay([runs], cost, draft_ceiling.fixed(4))
+    # 20 tokens in four steps, each 4 drafts (0.05 each) and a 5-token verify (1.4)
+    assert abs(fixed - 20 / (4 * (4 * 0.05 + 1.4))) < 1e-9
+    assert draft_ceiling.replay([runs], cost, draft_ceiling.oracle) >= fixed
+
+
+def test_the_report_ranks_policies_against_the_best_fixed_k(
+    tiny_model_dir, tiny_draft_dir, tmp_path
+):
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "Once upon a time"}, {"prompt": "The dog ran to the park"}]
+    prompts.write_text("\n".join(json.dumps(row) for row in rows))
+    results = draft_ceiling.main(
+        [
+            str(tiny_model_dir),
+            "--draft-model",
+            str(tiny_draft_dir),
+            "--sets",
+            str(prompts),
+            "--max-tokens",
+            "16",
+            "--rounds",
+            "1",
+            "--output",
+            str(tmp_path / "out.json"),
+        ]
+    )
+    over_best = results["over_best_fixed"]
+    assert max(v for k, v in over_best.items() if k.startswith("fixed")) == 1.0
+    assert all(over_best["oracle"] >= v for v in over_best.values())
+    assert json.loads((tmp_path / "out.json").read_text())["prompts"] == 2

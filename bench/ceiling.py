@@ -194,10 +194,15 @@ def main(argv: list[str] | None = None) -> dict:
             "oracle_over_plain": rates["oracle"] / rates["plain"],
             "oracle_no_padding_over_plain": rates["flat"] / rates["plain"],
         }
-    print(report(results))
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(results, indent=2))
+    return publish(results, report(results), args.output)
+
+
+def publish(results: dict, text: str, output: Path | None) -> dict:
+    """Print the report; write the results as JSON to `output` if given."""
+    print(text)
+    if output:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(results, indent=2))
     return results
 
 

@@ -26,7 +26,6 @@ Rates are committed tokens per unit of plain-step cost (prefill left out alike).
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from bench.ceiling import greedy_output
+from bench.ceiling import greedy_output, publish
 from bench.models import resolve_model
 from bench.spec import encode_prompt, load_prompts
 from engines.blas import describe_blas
@@ -165,11 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
         "over_plain": {name: round(rate, 4) for name, rate in rates.items()},
         "over_best_fixed": {name: round(rate / best_fixed, 4) for name, rate in rates.items()},
     }
-    print(report(results))
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(results, indent=2))
-    return results
+    return publish(results, report(results), args.output)
 
 
 def report(results: dict) -> str:

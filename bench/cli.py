@@ -11,7 +11,12 @@ tandem bench rollback MODEL     verify and rollback cost vs a plain step (recurr
 
 from __future__ import annotations
 
+import os
 import sys
+
+# commands that run MLX in this process: like `tandem serve`, they re-exec with a fast
+# BLAS preloaded on Linux CPU (TANDEM_NO_BLAS_PRELOAD=1 keeps the BLAS as it is)
+IN_PROCESS = {"spec", "single", "grammar", "ceiling", "draft-ceiling", "rollback"}
 
 
 def main(argv: list[str]) -> None:
@@ -31,6 +36,10 @@ def main(argv: list[str]) -> None:
     if not argv or argv[0] not in commands:
         print(__doc__)
         raise SystemExit(2)
+    if argv[0] in IN_PROCESS and not os.environ.get("TANDEM_NO_BLAS_PRELOAD"):
+        from server.blas_preload import ensure_fast_blas
+
+        ensure_fast_blas()
     module = __import__(commands[argv[0]], fromlist=["main"])
     sys.argv = [f"tandem bench {argv[0]}", *argv[1:]]
     module.main(argv[1:]) if _takes_argv(module.main) else module.main()

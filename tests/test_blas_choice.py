@@ -55,3 +55,25 @@ def test_the_install_brings_mkl_and_the_server_preloads_it(tiny_model_dir):
         line = proc.wait_for_log(r"BLAS: (\w+)")
         assert line.group(1) == "mkl", proc.log()
         assert "libmkl_rt" in proc.log()
+
+
+@pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and platform.machine() == "x86_64"),
+    reason="the mkl wheel is a dependency on x86_64 Linux only",
+)
+def test_an_in_process_bench_preloads_a_fast_blas_too(tiny_model_dir, tmp_path):
+    """`tandem bench draft-ceiling` runs MLX in its own process: started without a
+    preload it re-execs with one, as the server does, and its header names it."""
+    import json
+    import subprocess
+
+    from tests.test_process import TANDEM
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Once upon a time"}))
+    command = [TANDEM, "bench", "draft-ceiling", str(tiny_model_dir), "--draft-model"]
+    command += [str(tiny_model_dir), "--sets", str(prompts), "--max-tokens", "4", "--rounds", "1"]
+    env = env_without(*BLAS_PRELOAD, "TANDEM_NO_BLAS_PRELOAD", TANDEM_BLAS="mkl")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "BLAS mkl" in done.stdout.splitlines()[0], done.stdout

@@ -99,6 +99,8 @@ class PrefixCache:
         if lru is None:
             lru = self._scopes[scope] = LRUPromptCache(self.max_entries, self.max_bytes)
         lru.insert_cache(MODEL_KEY, list(tokens), layers, cache_type=kind)
+        if len(lru) == 0:  # the entry alone was over the byte bound: nothing kept
+            del self._scopes[scope]
         self._fit()
 
     def _fit(self) -> None:

@@ -332,3 +332,15 @@ def test_the_byte_bound_evicts_from_the_scope_holding_the_most_bytes(reference):
     evicted = cache.lookup(tokenizer.encode(texts[1]), scope="b")
     assert evicted is None or evicted.cached <= 1  # a shared BOS at most
     assert cache.lookup(tokenizer.encode(texts[2]), scope="b").cached > 1
+
+
+def test_an_entry_over_the_byte_bound_leaves_nothing_behind(reference):
+    """An entry larger than the whole byte bound is not kept, and its key keeps no
+    empty partition (a key per client must not grow the cache's bookkeeping)."""
+    tokens = reference.tokenizer.encode("Once upon a time there was")
+    entry = _filled(reference.model, tokens)
+    cache = PrefixCache(max_entries=4, max_bytes=sum(c.nbytes for c in entry) // 2)
+    cache.store(tokens, entry, scope="a")
+    assert len(cache) == 0 and cache.nbytes == 0
+    assert cache.lookup(tokens, scope="a") is None
+    assert not cache._scopes

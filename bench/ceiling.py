@@ -14,9 +14,13 @@ ways with those costs:
   `[B, 1 + K]`, as Tandem's batched verify runs it;
 - oracle, no padding: each row drafts exactly what would be accepted and a forward
   costs only its real tokens -- a layout no mlx-lm model runs today, the bound on any
-  verify layout.
+  verify layout;
+- by match length: every step picks the K with the best expected tokens per second,
+  knowing only how often each position of a lookup draft is accepted by the length of
+  the n-gram match that proposed it, over the whole run -- what Tandem's gates learn
+  (`engines.position_rates`), learned perfectly.
 
-The ratios are upper bounds: a real policy cannot know acceptance ahead.
+The oracle ratios are upper bounds: a real policy cannot know acceptance ahead.
 
     tandem bench ceiling wide-salty --dataset novel --max-tokens 160 --concurrency 2,4,8
 """
@@ -47,17 +51,20 @@ MAX_DRAFT = 8
 @dataclass
 class Output:
     """One prompt's greedy output and, per position, the tokens a prompt lookup
-    draft made there would have had accepted."""
+    draft made there would have had accepted and the length of the n-gram match that
+    proposed it (0: there was none)."""
 
     tokens: list[int]
     accepted: list[int]
+    matches: list[int]
 
 
-def accepted_lengths(prompt: list[int], output: list[int]) -> list[int]:
+def lookups(prompt: list[int], output: list[int]) -> tuple[list[int], list[int]]:
     """At each output position, the accepted prefix of Tandem's prompt lookup proposal
-    (from the prompt and the output so far) against the real next tokens."""
+    (from the prompt and the output so far) against the real next tokens, and the
+    match length that proposed it."""
     drafter = PromptLookupDrafter(max_ngram=SpecConfig().pld_max_ngram)
-    lengths = []
+    lengths, matches = [], []
     for position in range(len(output)):
         proposal = drafter.propose(prompt + output[:position], MAX_DRAFT)
         accepted = 0
@@ -66,7 +73,22 @@ def accepted_lengths(prompt: list[int], output: list[int]) -> list[int]:
                 break
             accepted += 1
         lengths.append(accepted)
-    return lengths
+        matches.append(proposal.match_length if proposal else 0)
+    return lengths, matches
+
+
+def by_match(outputs: list[Output]) -> dict[int, list[float]]:
+    """Per match length, the expected accepted tokens of a draft of length K = 0..8:
+    E[min(accepted, K)] over every position whose lookup that match proposed."""
+    seen: dict[int, list[int]] = {}
+    for out in outputs:
+        for accepted, match in zip(out.accepted, out.matches, strict=True):
+            if match:
+                seen.setdefault(match, []).append(accepted)
+    return {
+        match: [statistics.mean(min(a, k) for a in values) for k in range(MAX_DRAFT + 1)]
+        for match, values in seen.items()
+    }
 
 
 def greedy_output(model, prompt: list[int], max_tokens: int, eos: set[int]) -> list[int]:
@@ -119,9 +141,26 @@ class Costs:
         return self.by_tokens[low] + share * (self.by_tokens[high] - self.by_tokens[low])
 
 
+def predicted_best(
+    expected: dict[int, list[float]], matches: list[int], left: list[int], costs: Costs
+) -> int:
+    """The draft length with the best expected tokens per second for rows whose lookups
+    came from these match lengths (`by_match`), `left[i]` tokens left in row i."""
+
+    def rate(k: int) -> float:
+        tokens = sum(
+            1 + (expected[m][min(k, n - 1)] if m else 0.0)
+            for m, n in zip(matches, left, strict=True)
+        )
+        return tokens / costs.step(len(matches), 1 + k)
+
+    return max(range(MAX_DRAFT + 1), key=rate)
+
+
 def replay(outputs: list[Output], order: list[int], concurrency: int, costs: Costs, policy: str):
     """Closed-loop serving of `order` (prompt indices) at `concurrency`: returns
     (tokens, seconds). Prefill is left out alike for every policy."""
+    expected = by_match(outputs)
     queue, rows = list(order), []  # rows: [output, position]
     tokens = seconds = 0.0
     while queue or rows:
@@ -134,6 +173,10 @@ def replay(outputs: list[Output], order: list[int], concurrency: int, costs: Cos
         elif policy == "flat":
             commits = [1 + a for a in usable]
             cost = costs.tokens(sum(commits))
+        elif policy == "by-match":
+            matches = [out.matches[pos] for out, pos in rows]
+            k = predicted_best(expected, matches, left, costs)
+            commits, cost = [1 + min(a, k) for a in usable], costs.step(len(rows), 1 + k)
         else:
             best = None
             for k in range(MAX_DRAFT + 1):
@@ -164,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             ids = tokenizer.encode(prompt.text)
         tokens = greedy_output(model, ids, args.max_tokens, set() if args.ignore_eos else eos)
-        outputs.append(Output(tokens, accepted_lengths(list(ids), tokens)))
+        outputs.append(Output(tokens, *lookups(list(ids), tokens)))
     context = int(statistics.mean(len(o.tokens) for o in outputs) / 2) + 16
     table = {
         (rows, width): forward_seconds(model, rows, width, context, args.repeats)
@@ -186,13 +229,14 @@ def main(argv: list[str] | None = None) -> dict:
     for level in levels:
         order = [i % len(outputs) for i in range(args.rounds * 2 * level)]
         rates = {}
-        for policy in ("plain", "oracle", "flat"):
+        for policy in ("plain", "oracle", "flat", "by-match"):
             tokens, seconds = replay(outputs, order, level, costs, policy)
             rates[policy] = tokens / seconds
         results["levels"][level] = {
             "plain_tokens_per_s": rates["plain"],
             "oracle_over_plain": rates["oracle"] / rates["plain"],
             "oracle_no_padding_over_plain": rates["flat"] / rates["plain"],
+            "by_match_over_plain": rates["by-match"] / rates["plain"],
         }
     return publish(results, report(results), args.output)
 
@@ -212,14 +256,18 @@ def report(results: dict) -> str:
         f"dataset {results['dataset']}, up to {results['max_tokens']} tokens; "
         f"{results['copyable_share']:.0%} of output positions had a prompt lookup "
         "draft with at least one token accepted",
-        "conc  plain tok/s (replayed)  oracle K per step  oracle, no padding",
+        "conc  plain tok/s (replayed)  oracle K per step  oracle, no padding  rates by match",
     ]
     for level, row in results["levels"].items():
         lines.append(
             f"{level:>4}  {row['plain_tokens_per_s']:>22.1f}  "
             f"{row['oracle_over_plain']:>16.2f}x  {row['oracle_no_padding_over_plain']:>17.2f}x"
+            f"  {row['by_match_over_plain']:>13.2f}x"
         )
-    lines.append("upper bounds: the oracle knows ahead which drafted tokens will be accepted")
+    lines.append(
+        "upper bounds: the oracle knows ahead which drafted tokens will be accepted; "
+        "rates by match: each match length's acceptance over the whole run"
+    )
     return "\n".join(lines)
 
 

@@ -39,8 +39,8 @@ from engines.gates import (
     Acceptance,
     CostModel,
     expected_tokens,
-    mean_then_running,
 )
+from engines.position_rates import mean_then_running
 
 PLAIN, LOOKUP, MODEL = "plain", "lookup", "model"  # kinds of batched step
 

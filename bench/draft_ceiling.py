@@ -38,7 +38,7 @@ from bench.models import resolve_model
 from bench.spec import encode_prompt, load_prompts
 from engines.blas import describe_blas
 from engines.draft_confidence import ConfidenceCalibration, DraftStop
-from engines.gates import CostModel
+from engines.measured_costs import CostModel
 
 MAX_DRAFT = 8
 

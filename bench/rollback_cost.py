@@ -121,7 +121,7 @@ def random_model(arch: str):
 def mtp_step_ratio(model, config: dict, repeats: int) -> float | None:
     """One MTP draft token / a pipelined plain step, as the engine measures it at
     start-up (`CostModel.measure`), for a head of the model's shape (None: no head)."""
-    from engines.gates import CostModel
+    from engines.measured_costs import CostModel
     from engines.mtp import MTP_ARCHS, MTPStepModel, TargetParts, build_head, mtp_layers_in_config
 
     if config.get("model_type") not in MTP_ARCHS or not mtp_layers_in_config(config):

@@ -34,12 +34,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from engines.gates import (
-    MIN_SPEEDUP,
-    Acceptance,
-    CostModel,
-    expected_tokens,
-)
+from engines.gates import MIN_SPEEDUP, Acceptance, expected_tokens
+from engines.measured_costs import CostModel
 from engines.position_rates import mean_then_running
 
 PLAIN, LOOKUP, MODEL = "plain", "lookup", "model"  # kinds of batched step

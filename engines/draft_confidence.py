@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engines.drafters import DRAFT
-from engines.gates import CostModel, monotone_fit
+from engines.measured_costs import CostModel, monotone_fit
 
 BINS = 10
 PRIOR_WEIGHT = 2.0  # pseudo-observations pulling a bin towards the pooled rate

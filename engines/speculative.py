@@ -33,18 +33,9 @@ from engines.drafters import (
     DraftState,
     PromptLookupDrafter,
 )
-from engines.gates import (
-    PLAIN,
-    TRUSTED_ACCEPTANCE,
-    CostModel,
-    Measured,
-    MethodGate,
-    OnlineCosts,
-    RealizedRates,
-    prompt_repetition_score,
-    speedup,
-)
+from engines.gates import TRUSTED_ACCEPTANCE, MethodGate, prompt_repetition_score, speedup
 from engines.logprobs import token_logprob, token_logprobs
+from engines.measured_costs import PLAIN, CostModel, Measured, OnlineCosts, RealizedRates
 from engines.mtp import MTPStepModel, TargetParts
 from engines.mtp_drafter import MTPDrafter, MTPState
 from engines.position_rates import LookupPrior

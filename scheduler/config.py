@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engines.gates import CostModel
+from engines.measured_costs import CostModel
 from engines.request import GenerationRequest
 from scheduler.throughput import ThroughputModel
 

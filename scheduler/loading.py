@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.constraints import GrammarCompiler
-from engines.gates import CostModel
+from engines.measured_costs import CostModel
 from engines.mtp import (
     MTPUnavailable,
     load_head,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import uvicorn
 
-from engines.gates import CostModel
+from engines.measured_costs import CostModel
 from scheduler import SchedulerState
 from scheduler.config import SchedulerConfig
 from server.auth import check_keys

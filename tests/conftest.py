@@ -13,7 +13,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from engines.demo import TinyModelSpec, build_tiny_model
-from engines.gates import CostModel
+from engines.measured_costs import CostModel
 from scheduler import Scheduler, SchedulerConfig
 from server.app import create_app
 from server.config import ServerConfig

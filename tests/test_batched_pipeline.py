@@ -9,7 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engines.batch_costs import BatchCosts
 from engines.batched_spec import BatchedSpeculativeEngine
-from engines.gates import CostModel
+from engines.measured_costs import CostModel
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams
 from engines.sequence import FinishReason, make_sequence

@@ -15,7 +15,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from engines.batch_costs import BatchCosts
 from engines.batched_spec import BatchedSpeculativeEngine
-from engines.gates import CostModel
+from engines.measured_costs import CostModel
 from engines.ragged_cache import RaggedKVCache, ragged_from_rows
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides

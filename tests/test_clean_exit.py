@@ -22,7 +22,7 @@ TRIALS = 16
 
 SCRIPT = """
 import asyncio, sys
-from engines.gates import CostModel
+from engines.measured_costs import CostModel
 from engines.request import GenerationRequest
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler

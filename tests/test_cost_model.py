@@ -15,15 +15,13 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from engines.drafters import DRAFT, PLD
-from engines.gates import (
+from engines.gates import MethodGate, best_draft_length, expected_tokens
+from engines.measured_costs import (
     PLAIN,
     CostModel,
     Measured,
-    MethodGate,
     OnlineCosts,
     RealizedRates,
-    best_draft_length,
-    expected_tokens,
     monotone_fit,
 )
 from engines.registry import LoadedModel, ModelRegistry

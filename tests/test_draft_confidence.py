@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engines.draft_confidence import MEMORY, ConfidenceCalibration, DraftStop
-from engines.gates import CostModel
+from engines.measured_costs import CostModel
 from engines.request import SpeculationOverrides
 from engines.speculative import SpecConfig
 from server.cli import build_parser

@@ -5,7 +5,8 @@ earlier ones saw, and its own text can overrule them."""
 from __future__ import annotations
 
 from engines.drafters import PLD
-from engines.gates import CostModel, MethodGate
+from engines.gates import MethodGate
+from engines.measured_costs import CostModel
 from engines.position_rates import LookupPrior, PositionRates
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from tests.conftest import make_client
@@ -75,8 +76,7 @@ def test_a_request_that_copies_overrules_the_server_prior():
     # and another request is still judged by the server's rates, which the edit moved
     # only a little (it is one request among many)
     other = MethodGate(PLD, alpha=0.5, prior=prior)
-    assert other.acceptance(1)[0] < 0.3
-    assert other.draft_length(8, CPU_COSTS, match=1) == 0
+    assert other.acceptance(1)[0] < 0.5 * edit.acceptance(1)[0]
 
 
 def test_the_single_stream_and_batched_engines_teach_one_prior(tiny_model_dir, perturbed_draft_dir):
@@ -158,6 +158,23 @@ def test_a_batch_plans_a_due_probe_at_the_prior():
     planned = [gate.planned_acceptance(1, 8, CPU_COSTS) for _ in range(8)]
     assert all(acceptance[0] < 0.25 for acceptance in planned[:7])
     assert planned[7] == (0.5,)
-    gate.record(2, 0, 8, CPU_COSTS, match=1)  # the probe missed: the next waits longer
+    # the batch did not draft it (other rows, other costs): offered again as soon
+    planned = [gate.planned_acceptance(1, 8, CPU_COSTS) for _ in range(8)]
+    assert [p == (0.5,) for p in planned] == [False] * 7 + [True]
+    gate.record(2, 0, 8, CPU_COSTS, match=1)  # drafted, and missed: the next waits longer
     planned = [gate.planned_acceptance(1, 8, CPU_COSTS) for _ in range(16)]
     assert [p == (0.5,) for p in planned] == [False] * 15 + [True]
+
+
+def test_a_few_misses_do_not_stop_a_server_from_drafting_a_match_length():
+    """The server's rates only learn from drafts that were made: a few early misses
+    read as a plain average would say three-token matches never copy, nothing would
+    draft them again, and nothing would correct it. Read at the upper end of what the
+    observations allow, a few misses leave them worth trying; many do not."""
+    few, many = LookupPrior(), LookupPrior()
+    for prior, misses in ((few, 3), (many, 200)):
+        earlier = MethodGate(PLD, alpha=0.5, prior=prior)
+        for _ in range(misses):
+            earlier.record(2, 0, 8, CPU_COSTS, match=3)
+    assert MethodGate(PLD, alpha=0.5, prior=few).draft_length(8, CPU_COSTS, match=3) > 0
+    assert MethodGate(PLD, alpha=0.5, prior=many).draft_length(8, CPU_COSTS, match=3) == 0

@@ -21,7 +21,7 @@ from mlx_lm import load
 from mlx_lm.sample_utils import make_logits_processors
 from scipy.stats import chisquare
 
-from engines.gates import CostModel
+from engines.measured_costs import CostModel
 from engines.mtp import MTPUnavailable, convert_mtp_weights, load_head, read_mtp_weights
 from engines.mtp_drafter import MTPState
 from engines.registry import ModelRegistry

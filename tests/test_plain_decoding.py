@@ -8,7 +8,7 @@ import pytest
 from mlx_lm import generate
 from mlx_lm.sample_utils import make_logits_processors
 
-from engines.gates import CostModel
+from engines.measured_costs import CostModel
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams
 from engines.sequence import FinishReason, make_sequence

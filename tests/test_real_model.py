@@ -43,7 +43,7 @@ STORY_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def stories_spec_engine():
-    from engines.gates import CostModel
+    from engines.measured_costs import CostModel
     from engines.registry import ModelRegistry
     from engines.speculative import SpecConfig, SpeculativeEngine
 

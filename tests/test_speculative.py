@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.sample_utils import make_logits_processors
 
 from engines.drafters import DraftModelDrafter, DraftState
-from engines.gates import CostModel
+from engines.measured_costs import CostModel
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from engines.sampling import RandomStream

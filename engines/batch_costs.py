@@ -35,8 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engines.gates import MIN_SPEEDUP, Acceptance, expected_tokens
-from engines.measured_costs import CostModel
-from engines.position_rates import mean_then_running
+from engines.measured_costs import CostModel, mean_then_running
 
 PLAIN, LOOKUP, MODEL = "plain", "lookup", "model"  # kinds of batched step
 

@@ -71,7 +71,7 @@ def plan_rows(
             if proposal is not None:
                 row.drafts, row.method = proposal.tokens, PLD
                 row.match = proposal.match_length
-                acceptance = row.gates[PLD].planned_acceptance(row.match, pld_cap, costs.prior)
+                acceptance = row.gates[PLD].acceptance(row.match)
                 row_options.append(RowOption(acceptance, len(proposal.tokens), False))
         if cap > 0 and DRAFT in row.gates and model_drafter is not None:
             row_options.append(RowOption(row.gates[DRAFT].acceptance(), cap, True))

@@ -22,15 +22,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engines.drafters import DRAFT
-from engines.measured_costs import CostModel, Measured
-from engines.position_rates import LookupPrior, MatchProbes, PositionRates, mean_then_running
+from engines.measured_costs import CostModel, Measured, mean_then_running
 
 MIN_SPEEDUP = 1.03  # a draft length must beat plain decoding by this much
 TRUSTED_ACCEPTANCE = 0.5  # a draft model accepted this often drafts until measured slower
 MEASURED_SLOWER = 0.95  # measured drafting speed-up below which drafting stops: clearly
 # slower, not the noise of a running average near 1
+SHRINK = 2.0  # pseudo-observations pulling a rarely reached position to the one before it
+SHRINK_CAP = 8  # observations beyond this count no more against the pull
 Acceptance = float | Sequence[float]  # per-position acceptance; a float: the same everywhere
 Calibration = Callable[[int], float] | None  # k -> measured / predicted speed-up
+
+
+def _shrunk(rate: float, observations: int, toward: float) -> float:
+    """`rate` pulled towards `toward` by SHRINK pseudo-observations."""
+    weight = min(observations, SHRINK_CAP)
+    return (weight * rate + SHRINK * toward) / (weight + SHRINK)
 
 
 def expected_tokens(acceptance: Acceptance, k: int) -> float:
@@ -99,49 +106,35 @@ class MethodGate:
     weight: float = 0.25
     probe_k: int = 2
     last_k: int = 0  # the draft length of the latest verify
-    positions: PositionRates | None = None  # per position, every verify of the method
-    # prompt lookup: per position by the length of the n-gram match that proposed the
-    # draft (a one-token match is a much weaker hint than three, all the way along),
-    # over the server's rates for that match length (`prior`)
-    by_match: dict[int, PositionRates] = field(default_factory=dict)
-    prior: LookupPrior | None = None  # the server's, which this request's verifies teach
-    prior_at_start: LookupPrior | None = None  # what it knew before this request
-    probes: MatchProbes = field(default_factory=MatchProbes)
+    rates: list[float] = field(default_factory=list)  # per position: running acceptance
+    reached: list[int] = field(default_factory=list)  # per position: verifies that got there
+    # prompt lookup: the first position's [rate, verifies] by the length of the n-gram
+    # match that proposed the draft (a one-token match is a much weaker hint than three)
+    first_by_match: dict[int, list[float]] = field(default_factory=dict)
     # what this method's verifies really committed per second in this request
     outcome_tokens: float | None = None
     outcome_seconds: float | None = None
     outcomes: int = 0
     min_outcomes: int = 8
 
-    def __post_init__(self) -> None:
-        if self.positions is None:
-            self.positions = PositionRates(self.weight)
-        if self.prior is not None and self.prior_at_start is None:
-            self.prior_at_start = self.prior.copy()
-
     def acceptance(self, match: int = 0) -> tuple[float, ...]:
-        """Per-position acceptance a_1, a_2, ...: each position's running rate over this
-        request's verifies, pulled towards the position before it (the first: towards
-        the prior `alpha`) while it has few observations (`PositionRates.chain`). With
-        `match` (a prompt lookup draft's n-gram length): that match length's own rates
-        in this request, pulled towards the server's for it, themselves pulled towards
-        the pooled estimate while the server has seen few such drafts."""
-        pooled = self.positions.chain(self.alpha)
-        if not match:
+        """Per-position acceptance a_1, a_2, ...: each position's running rate, pulled
+        towards the estimate of the position before it (the first: towards the prior)
+        while it has few observations. A position rarely reached -- drafts are seldom
+        that long -- so inherits what the last well-observed one says, instead of a
+        prior that would keep long drafts from ever being tried. With `match` (a prompt
+        lookup draft's n-gram length), a_1 is that match length's own rate, pulled
+        towards the pooled a_1; once a copy is under way, the rest does not depend on
+        how it was found."""
+        estimates, previous = [], self.alpha
+        for rate, reached in zip(self.rates, self.reached, strict=True):
+            previous = _shrunk(rate, reached, previous)
+            estimates.append(previous)
+        pooled = tuple(estimates) or (self.alpha,)
+        if match not in self.first_by_match:
             return pooled
-        start = self.prior_at_start
-        prior = start.estimates(match, pooled) if start is not None else pooled
-        own = self.by_match.get(match)
-        return own.over(prior) if own is not None else prior
-
-    def planned_acceptance(self, match: int, k_max: int, cost: CostModel) -> tuple[float, ...]:
-        """What a batch plans a lookup draft of a `match`-token n-gram with: the
-        estimate, or the prior `alpha` when the estimate would skip it and a probe of
-        that match length is due (`MatchProbes`)."""
-        acceptance = self.acceptance(match)
-        if best_draft_length(acceptance, k_max, cost, self.method) == 0 and self.probes.skip(match):
-            return (self.alpha,)
-        return acceptance
+        rate, reached = self.first_by_match[match]
+        return (_shrunk(rate, reached, pooled[0]), *(pooled[1:] or pooled))
 
     def expected(self, k: int) -> float:
         return expected_tokens(self.acceptance(), k)
@@ -161,8 +154,6 @@ class MethodGate:
         that does not pay is skipped without closing.)"""
         if self.open:
             k = self.open_length(k_max, cost, measured, match, trusted)
-            if k == 0 and match and self.probes.skip(match):
-                return min(self.probe_k, k_max)
             if k == 0 and not self._pays(k_max, cost, measured, trusted):
                 self.open, self.cooldown = False, self.backoff
             return k
@@ -174,7 +165,7 @@ class MethodGate:
         """Some draft length pays, pooled or for a match length seen."""
         return any(
             self.open_length(k_max, cost, measured, match, trusted) > 0
-            for match in {0, *self.by_match, *(self.prior.matches if self.prior else ())}
+            for match in (0, *self.first_by_match)
         )
 
     def open_length(
@@ -218,13 +209,18 @@ class MethodGate:
         """Update after a verify (`match`: the prompt lookup match length that proposed
         it); returns True if this closed the gate (a trip)."""
         self.last_k = drafted
-        self.positions.record(drafted, accepted)
         if match and drafted:
-            self.by_match.setdefault(match, PositionRates(self.weight)).record(drafted, accepted)
-            if self.prior is not None:
-                self.prior.record(match, drafted, accepted)
-            pays = self.open_length(k_max, cost, measured, match, trusted) > 0
-            self.probes.verified(match, pays)
+            first = self.first_by_match.setdefault(match, [0.0, 0])
+            first[1] += 1
+            first[0] = self._learned(first[0], float(accepted > 0), first[1])
+        attempts = accepted + (1 if accepted < drafted else 0)
+        for i in range(attempts):  # positions after the first rejection were not tried
+            hit = 1.0 if i < accepted else 0.0
+            if i == len(self.rates):
+                self.rates.append(hit)
+                self.reached.append(0)
+            self.reached[i] += 1
+            self.rates[i] = self._learned(self.rates[i], hit, self.reached[i])
         pays = self._pays(k_max, cost, measured, trusted)
         was_open, self.open = self.open, pays
         if pays:

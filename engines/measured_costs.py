@@ -19,7 +19,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from engines.drafters import DRAFT
-from engines.position_rates import mean_then_running
 
 PLAIN = "plain"
 
@@ -83,6 +82,12 @@ class CostModel:
 def running_average(old: float | None, value: float, weight: float) -> float:
     """An exponential moving average; the first value starts it."""
     return value if old is None else old + weight * (value - old)
+
+
+def mean_then_running(old: float | None, value: float, weight: float, observations: int) -> float:
+    """An average after its n-th observation: a plain mean at first (no early value
+    outweighs the rest), then a running average with `weight`."""
+    return running_average(old, value, max(weight, 1.0 / observations))
 
 
 def monotone_fit(values: list[float]) -> list[float]:

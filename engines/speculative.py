@@ -38,7 +38,6 @@ from engines.logprobs import token_logprob, token_logprobs
 from engines.measured_costs import PLAIN, CostModel, Measured, OnlineCosts, RealizedRates
 from engines.mtp import MTPStepModel, TargetParts
 from engines.mtp_drafter import MTPDrafter, MTPState
-from engines.position_rates import LookupPrior
 from engines.registry import ModelRegistry
 from engines.request import at_checkpoint, next_checkpoint
 from engines.rollback import (
@@ -161,8 +160,6 @@ class SpeculativeEngine:
         self.totals = SpecStats()  # lifetime counters for /metrics
         # how often the draft model is right, by how sure it was (the pair's property)
         self.confidence = ConfidenceCalibration()
-        # prompt lookup acceptance by match length over all requests: each request's prior
-        self.lookup_prior = LookupPrior()
         self.active: _Active | None = None
         self.released: list[SequenceState] = []  # finished sequences' caches, for reuse
         self.checkpoint_prompts = False  # keep prompt checkpoints (there is a prefix cache)
@@ -253,7 +250,7 @@ class SpeculativeEngine:
             return gates
         pld_on = self.config.enable_pld if overrides.enable_pld is None else overrides.enable_pld
         if pld_on:
-            gate = MethodGate(PLD, alpha=0.5, prior=self.lookup_prior)
+            gate = MethodGate(PLD, alpha=0.5)
             score = prompt_repetition_score(seq.request.prompt_tokens)
             if score < self.config.prompt_gate_threshold:
                 gate.close()

@@ -361,8 +361,7 @@ class Scheduler:
         plain step), what was measured at start-up, and how many steps taught it; and the
         batched engine's forward costs in seconds and its measured/predicted calibration
         by batch size and kind of step (None until it starts); and how often the draft
-        model's tokens are accepted by how sure it was (None without a draft model), and prompt
-        lookup drafts by the length of the match that proposed them."""
+        model's tokens are accepted by how sure it was (None without a draft model)."""
         if self._spec is None:
             return None
         realized = self._spec.realized
@@ -370,7 +369,6 @@ class Scheduler:
         return {
             **self._spec.costs.snapshot(),
             "realized_tokens_per_s": realized.snapshot() if realized is not None else None,
-            "lookup_acceptance": self._spec.lookup_prior.snapshot(),
             "draft_confidence": (
                 self._spec.confidence.snapshot() if self._spec.drafter is not None else None
             ),

@@ -67,6 +67,8 @@ from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
 
 log = logging.getLogger(__name__)
 
+MAX_HOST_GAP = 0.5  # seconds between steps beyond which the caller idled, not worked
+
 
 class BatchedSpeculativeEngine:
     name = "batched"
@@ -106,6 +108,8 @@ class BatchedSpeculativeEngine:
         self.settled: list[StepOutput] = []  # outputs of a settle outside `step`, not yet returned
         self._plain_ahead = False  # the plan after the newest commit was plain
         self._pipelined_at: float | None = None  # when the last call that queued a step ended
+        self._returned_at: float | None = None  # when the last step with rows returned
+        self._host_seconds = 0.0  # the caller's time between that return and this step
 
     def _model_drafter(
         self, speculative: SpeculativeEngine, chunk: int
@@ -243,6 +247,19 @@ class BatchedSpeculativeEngine:
     # ---- the step ---------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        """One step (`_step`), and the host time since the last one returned: what the
+        caller did in between (publishing that step's outputs), which a pipelined plain
+        step overlaps with its forward and a drafting step waits for."""
+        began = time.perf_counter()
+        returned, self._returned_at = self._returned_at, None
+        gap = began - returned if returned is not None else 0.0
+        self._host_seconds = gap if gap < MAX_HOST_GAP else 0.0  # longer: the caller idled
+        outputs = self._step()
+        if self.rows:
+            self._returned_at = time.perf_counter()
+        return outputs
+
+    def _step(self) -> list[StepOutput]:
         outputs, self.settled = self.settled, []
         self.forward_seconds = 0.0
         self.step_sizes = []
@@ -347,7 +364,10 @@ class BatchedSpeculativeEngine:
                 self.costs.observe_draft(len(self.rows), seconds / forwards)
         outputs = self._verify(k)
         committed = sum(len(output.token_ids) for output in outputs)
-        self.costs.observe_outcome(rows, plan, committed, time.perf_counter() - started)
+        # judged like a plain step's cadence (from the previous step's return, so the
+        # caller's host work counts), or drafting that loses as served would look cheap
+        seconds = time.perf_counter() - started + self._host_seconds
+        self.costs.observe_outcome(rows, plan, committed, seconds)
         return outputs
 
     def _prefill_chunk(self) -> list[StepOutput]:

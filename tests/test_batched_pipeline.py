@@ -4,10 +4,12 @@ whatever happens mid-pipeline (rows finishing, cancelled, leaving, joining)."""
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from engines.batch_costs import BatchCosts
+from engines.batch_costs import MODEL, BatchCosts
 from engines.batched_spec import BatchedSpeculativeEngine
 from engines.measured_costs import CostModel
 from engines.registry import ModelRegistry
@@ -301,3 +303,30 @@ def test_a_plain_probe_among_drafting_steps_is_one_step_not_a_pipeline(tiny_mode
         assert seqs[f"r{i}"].generated == reference.greedy_tokens(p, 60)
     assert plain_steps >= 3, "plain steps were measured"
     assert not any(pipelines_started_on_a_probe)
+
+
+def test_a_drafting_step_is_timed_from_the_previous_step_s_return(tiny_model_dir, reference):
+    """A pipelined plain step's cost is the time between two commits, which includes
+    what the caller does between steps (publishing outputs: overlapped with the next
+    forward). A drafting step waits for that work, so it is judged the same way:
+    from the previous step's return, not from its own call -- otherwise drafting that
+    loses as served (at 8 rows, a few percent) looks cheaper than plain steps."""
+    registry = ModelRegistry.load(str(tiny_model_dir), str(tiny_model_dir))
+    spec = SpeculativeEngine(registry, SpecConfig(enable_pld=False), cost=COST)
+    costs = BatchCosts(COST, learn=True)
+    engine = BatchedSpeculativeEngine(registry, spec, prefill_step_size=64, costs=costs)
+    registry.transfer(engine.name)
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:2]]
+    requests = [greedy_request(f"r{i}", p, 40) for i, p in enumerate(prompts)]
+    host_work = 0.05
+
+    def publish(step, seqs):
+        time.sleep(host_work)
+
+    seqs, _, _ = drive(engine, requests, publish)
+    for i, p in enumerate(prompts):
+        assert seqs[f"r{i}"].generated == reference.greedy_tokens(p, 40)
+    drafting = costs.outcomes[2, MODEL]
+    assert drafting.steps >= 3
+    _, seconds, _, _ = drafting.averages
+    assert seconds >= host_work  # the tiny model's own step takes a few milliseconds

@@ -17,8 +17,9 @@ ways with those costs:
   verify layout;
 - by match length: every step picks the K with the best expected tokens per second,
   knowing only how often each position of a lookup draft is accepted by the length of
-  the n-gram match that proposed it, over the whole run -- what Tandem's gates learn
-  (`engines.position_rates`), learned perfectly.
+  the n-gram match that proposed it, over the whole run -- the bound for gates that
+  learn those rates perfectly (Tandem's learn the first position's per match length,
+  later positions pooled).
 
 The oracle ratios are upper bounds: a real policy cannot know acceptance ahead.
 

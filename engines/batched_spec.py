@@ -92,6 +92,7 @@ class BatchedSpeculativeEngine:
         self.config: SpecConfig = speculative.config
         self.initial_gates = speculative.initial_gates
         self.request_k = speculative.request_k
+        self.k_cap = speculative.k_cap
         self.costs = costs or BatchCosts(speculative.cost, learn=speculative.costs.learn)
         self.prefill_step_size = prefill_step_size
         self.rows: list[BatchRow] = []
@@ -460,11 +461,13 @@ class BatchedSpeculativeEngine:
         return plan_rows(self.rows, self.costs, self._row_cap, drafter)
 
     def _row_cap(self, row: BatchRow, method: str) -> int:
-        """The longest draft `method` may propose for the row (the single-stream rule)."""
+        """The longest draft `method` may propose for the row: the single-stream rule,
+        with lookup held to the draft model's cap (one row's long lookup draft would pad
+        every row's verify)."""
         if not row.gates:
             return 0
         seq = row.seq
-        k = self.request_k(seq, method)
+        k = min(self.request_k(seq, method), self.k_cap)
         return max(0, min(k, seq.request.max_tokens - len(seq.generated) - 1))
 
     # ---- verification -----------------------------------------------------------------

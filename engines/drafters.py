@@ -4,7 +4,8 @@
 stochastic drafter, the probabilities q it sampled them from (None = one-hot).
 
 * `PromptLookupDrafter` (PLD): finds the longest recent n-gram (3..1 tokens) of the
-  context that occurred earlier and proposes what followed it. Free to run.
+  context that occurred earlier and proposes what followed it, following a copy
+  through the edits the output makes to it (`engines.prompt_lookup`). Free to run.
 * `DraftModelDrafter`: a small model drafting on the sequence's own `DraftState`
   (its KV cache), kept in step with the committed tokens (it prefills only what it
   has not seen, after rolling back what was rejected), sampling from its own
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from engines.prompt_lookup import CopyLookup
 from engines.request import SamplingParams
 from engines.rollback import CacheSnapshot, can_trim, roll_back, take_snapshot, trim_exact
 from engines.sampling import RandomStream, filter_logprobs
@@ -53,62 +55,24 @@ class Draft:
 
 
 class PromptLookupDrafter:
-    """N-gram lookup over prompt + generated tokens, with an incremental index.
-
-    `index[n][ngram]` is the position just after the latest earlier occurrence of
-    `ngram`, so a lookup is O(max_ngram) per step whatever the context length.
-    """
+    """Prompt lookup for one sequence: `engines.prompt_lookup.CopyLookup` (the longest
+    suffix n-gram seen before, nearest where the copy is, with the substitutions the
+    output made to its source written in), as `Draft`s."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        self.max_ngram = max_ngram
-        self.min_ngram = min_ngram
-        self.tokens: list[int] = []
-        self.index: dict[int, dict[tuple[int, ...], int]] = {
-            n: {} for n in range(min_ngram, max_ngram + 1)
-        }
+        self.lookup = CopyLookup(max_ngram, min_ngram)
 
-    def extend(self, tokens: list[int]) -> None:
-        """Add committed tokens; only n-grams that end before the last token are indexed,
-        so the current suffix never matches itself."""
-        for token in tokens:
-            self.tokens.append(token)
-            end = len(self.tokens) - 1  # index the n-grams ending at end-1 (followed by end)
-            for n in self.index:
-                if end - n >= 0:
-                    self.index[n][tuple(self.tokens[end - n : end])] = end
-
-    def sync(self, context: list[int]) -> None:
-        """Catch up with the committed context (append-only; a shorter one rebuilds)."""
-        if len(context) < len(self.tokens):
-            self.tokens = []
-            self.index = {n: {} for n in self.index}
-        self.extend(context[len(self.tokens) :])
-
-    def longest_match(self) -> tuple[int, int]:
-        """(match length, start of continuation) for the longest suffix n-gram seen before."""
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if len(self.tokens) < n:
-                continue
-            start = self.index[n].get(tuple(self.tokens[-n:]))
-            if start is not None:
-                return n, start
-        return 0, -1
+    @property
+    def tokens(self) -> list[int]:
+        """The context indexed: this sequence's tokens only."""
+        return self.lookup.tokens
 
     def propose(self, context: list[int], k: int) -> Draft | None:
-        self.sync(context)
-        n, start = self.longest_match()
-        if n == 0 or k <= 0:
+        found = self.lookup.propose(context, k)
+        if found is None:
             return None
-        return Draft(PLD, self._continuation(start, k), None, match_length=n)
-
-    def _continuation(self, start: int, k: int) -> list[int]:
-        """k tokens copied from `start`; a copy that reaches the end of the context keeps
-        copying its own output, which continues periodic text (runs, loops) in full."""
-        source = self.tokens
-        out: list[int] = []
-        for position in range(start, start + k):
-            out.append(source[position] if position < len(source) else out[position - len(source)])
-        return out
+        match_length, tokens = found
+        return Draft(PLD, tokens, None, match_length=match_length)
 
 
 @dataclass

@@ -72,6 +72,19 @@ class CostModel:
         verify = monotone_fit([max(1.0, ratio) for ratio in medians[:-1]])
         return cls(tuple(verify), medians[-1], statistics.median(plains))
 
+    def extended(self, max_tokens: int) -> CostModel:
+        """Verify costs up to `max_tokens`, sizes past the measured ones continued at the
+        slope of the measured tail (up to four sizes back), so long lookup drafts need no
+        longer start-up; served verifies then replace the guesses (`OnlineCosts`)."""
+        verify = list(self.verify)
+        if max_tokens <= len(verify):
+            return self
+        back = min(4, len(verify) - 1)
+        slope = (verify[-1] - verify[-1 - back]) / back if back else 0.0
+        while len(verify) < max_tokens:
+            verify.append(verify[-1] + max(slope, 0.0))
+        return CostModel(tuple(verify), self.draft_step, self.plain_seconds)
+
     def as_dict(self) -> dict:
         return {
             "verify": [round(c, 4) for c in self.verify],

@@ -119,7 +119,9 @@ async def test_the_costs_in_use_are_in_stats_and_metrics(spec_scheduler):
         stats = (await client.get("/v1/stats")).json()
         metrics = (await client.get("/metrics")).text
     costs = stats["speculation"]["costs"]
-    expected = CostModel.assumed(9)  # what the test schedulers are given
+    # what the test schedulers are given (9 sizes), continued at its slope to the 17 a
+    # prompt lookup draft of 16 tokens verifies
+    expected = CostModel.assumed(17)
     assert costs["verify"] == pytest.approx(list(expected.verify), abs=1e-4)
     assert costs["draft_step"] == pytest.approx(expected.draft_step)
     assert costs["learning"] is False
@@ -131,6 +133,18 @@ async def test_the_costs_in_use_are_in_stats_and_metrics(spec_scheduler):
         line = f'tandem_spec_verify_cost_ratio{{{label},tokens="{n}"}} {round(cost, 4)}\n'
         assert line in metrics
     assert f"tandem_spec_draft_step_cost_ratio{{{label}}} {expected.draft_step}\n" in metrics
+
+
+def test_verify_costs_past_the_measured_sizes_continue_the_measured_tail():
+    measured = CostModel((1.0, 1.2, 1.3, 1.5, 1.6, 1.9), draft_step=0.3, plain_seconds=0.01)
+    extended = measured.extended(9)
+    assert extended.verify[:6] == measured.verify
+    slope = (1.9 - 1.2) / 4  # over the last four sizes
+    assert extended.verify[6:] == pytest.approx([1.9 + slope, 1.9 + 2 * slope, 1.9 + 3 * slope])
+    assert (extended.draft_step, extended.plain_seconds) == (0.3, 0.01)
+    assert measured.extended(4) is measured
+    falling = CostModel((1.0, 1.6, 1.5, 1.4, 1.3, 1.2)).extended(8)
+    assert falling.verify[6:] == (1.2, 1.2), "more tokens never cost less than fewer"
 
 
 # ---- gates that trust what was measured over what was predicted ----------------------

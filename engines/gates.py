@@ -40,6 +40,16 @@ def _shrunk(rate: float, observations: int, toward: float) -> float:
     return (weight * rate + SHRINK * toward) / (weight + SHRINK)
 
 
+def _chained(rates: list[float], reached: list[int], first_toward: float) -> tuple[float, ...]:
+    """Each position's rate pulled towards the estimate before it (the first towards
+    `first_toward`) while it has few observations."""
+    estimates, previous = [], first_toward
+    for rate, count in zip(rates, reached, strict=True):
+        previous = _shrunk(rate, count, previous)
+        estimates.append(previous)
+    return tuple(estimates)
+
+
 def expected_tokens(acceptance: Acceptance, k: int) -> float:
     """1 + a_1 + a_1 a_2 + ... + a_1...a_k: the tokens a verify of k drafts commits in
     expectation. Positions past the given rates take the last one."""
@@ -108,9 +118,10 @@ class MethodGate:
     last_k: int = 0  # the draft length of the latest verify
     rates: list[float] = field(default_factory=list)  # per position: running acceptance
     reached: list[int] = field(default_factory=list)  # per position: verifies that got there
-    # prompt lookup: the first position's [rate, verifies] by the length of the n-gram
-    # match that proposed the draft (a one-token match is a much weaker hint than three)
-    first_by_match: dict[int, list[float]] = field(default_factory=dict)
+    # prompt lookup: per position, rates and verifies that got there, by the length of
+    # the n-gram match that proposed the draft (a one-token match is a much weaker hint
+    # than three, at the first position and along the copy)
+    by_match: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict)
     # what this method's verifies really committed per second in this request
     outcome_tokens: float | None = None
     outcome_seconds: float | None = None
@@ -123,18 +134,16 @@ class MethodGate:
         while it has few observations. A position rarely reached -- drafts are seldom
         that long -- so inherits what the last well-observed one says, instead of a
         prior that would keep long drafts from ever being tried. With `match` (a prompt
-        lookup draft's n-gram length), a_1 is that match length's own rate, pulled
-        towards the pooled a_1; once a copy is under way, the rest does not depend on
-        how it was found."""
-        estimates, previous = [], self.alpha
-        for rate, reached in zip(self.rates, self.reached, strict=True):
-            previous = _shrunk(rate, reached, previous)
-            estimates.append(previous)
-        pooled = tuple(estimates) or (self.alpha,)
-        if match not in self.first_by_match:
+        lookup draft's n-gram length), the rates are that match length's own, its a_1
+        pulled towards the pooled a_1: on code edits a three-token match's draft was
+        accepted at 90% at every position, a one-token match's first token at 20%, and
+        rates pooled past the first position drafted weak matches long and strong
+        ones short."""
+        pooled = _chained(self.rates, self.reached, self.alpha) or (self.alpha,)
+        if match not in self.by_match:
             return pooled
-        rate, reached = self.first_by_match[match]
-        return (_shrunk(rate, reached, pooled[0]), *(pooled[1:] or pooled))
+        rates, reached = self.by_match[match]
+        return _chained(rates, reached, pooled[0]) or pooled
 
     def expected(self, k: int) -> float:
         return expected_tokens(self.acceptance(), k)
@@ -165,7 +174,7 @@ class MethodGate:
         """Some draft length pays, pooled or for a match length seen."""
         return any(
             self.open_length(k_max, cost, measured, match, trusted) > 0
-            for match in (0, *self.first_by_match)
+            for match in (0, *self.by_match)
         )
 
     def open_length(
@@ -210,17 +219,8 @@ class MethodGate:
         it); returns True if this closed the gate (a trip)."""
         self.last_k = drafted
         if match and drafted:
-            first = self.first_by_match.setdefault(match, [0.0, 0])
-            first[1] += 1
-            first[0] = self._learned(first[0], float(accepted > 0), first[1])
-        attempts = accepted + (1 if accepted < drafted else 0)
-        for i in range(attempts):  # positions after the first rejection were not tried
-            hit = 1.0 if i < accepted else 0.0
-            if i == len(self.rates):
-                self.rates.append(hit)
-                self.reached.append(0)
-            self.reached[i] += 1
-            self.rates[i] = self._learned(self.rates[i], hit, self.reached[i])
+            self._learn_positions(*self.by_match.setdefault(match, ([], [])), drafted, accepted)
+        self._learn_positions(self.rates, self.reached, drafted, accepted)
         pays = self._pays(k_max, cost, measured, trusted)
         was_open, self.open = self.open, pays
         if pays:
@@ -229,6 +229,18 @@ class MethodGate:
         self.cooldown = self.backoff
         self.backoff = min(self.backoff * 2, self.max_backoff)
         return was_open
+
+    def _learn_positions(
+        self, rates: list[float], reached: list[int], drafted: int, accepted: int
+    ) -> None:
+        attempts = accepted + (1 if accepted < drafted else 0)
+        for i in range(attempts):  # positions after the first rejection were not tried
+            hit = 1.0 if i < accepted else 0.0
+            if i == len(rates):
+                rates.append(hit)
+                reached.append(0)
+            reached[i] += 1
+            rates[i] = self._learned(rates[i], hit, reached[i])
 
     def observe_outcome(self, seconds: float, tokens: int) -> None:
         """A verify of this method as served: its wall time and the tokens it committed."""

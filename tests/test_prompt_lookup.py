@@ -7,6 +7,10 @@ output is the script and that long lookup drafts were accepted through the renam
 
 from __future__ import annotations
 
+import pytest
+
+from engines.drafters import PLD
+from engines.gates import MethodGate
 from engines.measured_costs import CostModel
 from engines.prompt_lookup import MAX_SUBSTITUTIONS, CopyLookup
 from engines.registry import ModelRegistry
@@ -145,3 +149,20 @@ def test_a_scripted_rename_is_served_exactly_with_long_drafts_through_it(tiny_mo
     per_position = seq.spec.accepted_per_position
     assert len(per_position) > 8 and per_position[8] > 0  # a ninth lookup token accepted
     assert seq.spec.accepted_tokens >= len(script) // 2, seq.spec
+
+
+def test_lookup_rates_are_learned_per_match_length_at_every_position():
+    """Code edits: a three-token match's draft is right along the whole copy, a
+    one-token match's is right for a token or two. Rates pooled past the first position
+    would draft the weak match as long as the strong one."""
+    cost = CostModel((1.0, 1.1, 1.2, 1.3, 1.35, 1.4, 1.45, 1.5, 1.55))
+    gate = MethodGate(PLD, alpha=0.5)
+    for _ in range(12):
+        gate.record(8, 8, 8, cost, match=3)  # whole copies
+        gate.record(8, 1, 8, cost, match=1)  # the first token, then wrong
+        gate.record(8, 0, 8, cost, match=1)
+    strong, weak = gate.acceptance(3), gate.acceptance(1)
+    assert min(strong) > 0.85
+    assert weak[0] == pytest.approx(0.5, abs=0.1) and weak[1] < 0.2
+    assert gate.draft_length(8, cost, match=3) == 8
+    assert gate.draft_length(8, cost, match=1) <= 1

@@ -44,7 +44,7 @@ from bench.serve import load_prompts
 from engines.blas import describe_blas
 from engines.drafters import PromptLookupDrafter
 from engines.ragged_cache import RaggedKVCache, feed_rows
-from engines.speculative import SpecConfig
+from engines.spec_state import SpecConfig
 
 MAX_DRAFT = 8
 

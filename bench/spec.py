@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def fresh_engine(registry, k: int | None):
     """A speculative engine as a fresh server builds it: costs measured at start-up."""
-    from engines.speculative import SpecConfig, SpeculativeEngine
+    from engines.spec_state import SpecConfig
+    from engines.speculative import SpeculativeEngine
 
     engine = SpeculativeEngine(registry, SpecConfig.for_server(k))
     registry.transfer(engine.name)

@@ -25,7 +25,7 @@ from engines.request import SamplingParams
 from engines.rollback import trim_exact
 from engines.sampling import RandomStream, sampling_logits
 from engines.sequence import FinishReason, Sequence, StepOutput
-from engines.speculative import SequenceState
+from engines.spec_state import SequenceState
 
 Sampler = Callable[[mx.array], mx.array]
 log = logging.getLogger(__name__)

@@ -63,7 +63,8 @@ from engines.registry import ModelRegistry
 from engines.request import at_checkpoint, next_checkpoint
 from engines.rollback import capturing_inputs, roll_back_rows, take_snapshot
 from engines.sequence import FinishReason, Sequence, StepOutput
-from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
+from engines.spec_state import SequenceState, SpecConfig
+from engines.speculative import SpeculativeEngine
 
 log = logging.getLogger(__name__)
 

@@ -197,6 +197,7 @@ class CopyLookup:
         period = len(source) - start
         proposal = Proposal(len(source), on_copy, [], [], [])
         position = start
+        firsts = {old[0] for old in self.substitutions}
         while len(proposal.tokens) < k:
             if position >= len(source):
                 back = len(proposal.tokens) - period
@@ -207,7 +208,7 @@ class CopyLookup:
                 proposal.substituted.append(None)
                 position += 1
                 continue
-            old = self._substitution_at(position)
+            old = self._substitution_at(position, firsts)
             if old is None:
                 proposal.tokens.append(source[position])
                 proposal.sources.append(position)
@@ -222,8 +223,9 @@ class CopyLookup:
         del proposal.tokens[k:], proposal.sources[k:], proposal.substituted[k:]
         return proposal
 
-    def _substitution_at(self, position: int) -> tuple[int, ...] | None:
-        if not self.substitutions:
+    def _substitution_at(self, position: int, firsts: set[int]) -> tuple[int, ...] | None:
+        """The substitution whose replaced span starts at `position`, if any."""
+        if self.tokens[position] not in firsts:
             return None
         for old in self.substitutions:
             if tuple(self.tokens[position : position + len(old)]) == old:

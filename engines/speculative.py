@@ -50,58 +50,12 @@ from engines.rollback import (
 )
 from engines.sampling import coupled_tokens, filter_logprobs, sample_token
 from engines.sequence import FinishReason, Sequence, StepOutput
+from engines.spec_state import SequenceState, SpecConfig
 from engines.telemetry import SpecStats
 
 log = logging.getLogger(__name__)
 
 TRUSTED_SAMPLE = 32  # drafts before the draft model's acceptance is trusted
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    # The most draft-model tokens in a proposal: one request's stop earlier where the
-    # draft is unsure (`engines.draft_confidence`), a batched row's at the batch's K.
-    num_draft_tokens: int = 4
-    max_draft_tokens: int = 8  # per-request overrides are clamped to this
-    enable_pld: bool = True
-    # The longest prompt lookup draft of a request served alone: a copied stretch pays
-    # with long drafts (verifying 17 tokens cost 1.9 plain steps for Qwen2.5-Coder-1.5B
-    # on a CPU, about one on a GPU). In the batch, lookup drafts stay within
-    # max_draft_tokens: there one row's long draft pads every row's verify.
-    pld_max_draft_tokens: int = 16
-    pld_max_ngram: int = 3
-    pld_preferred_match: int = 2  # with both drafters, PLD drafts when its match is this long
-    pld_probe_match: int = 2  # a closed PLD gate probes only on a match at least this long
-    prompt_gate_threshold: float = 0.05  # prompt repetition score below which PLD starts closed
-    prefill_step_size: int = 2048
-
-    @classmethod
-    def for_server(cls, num_draft_tokens: int | None, **settings) -> SpecConfig:
-        """Settings from a server's --num-draft-tokens: a number is the user's cap on
-        every draft-model proposal; None lets drafts run to `max_draft_tokens` (8), one
-        request's stopping where the draft is unsure, a batched row's at the K the batch's
-        goodput chooses. A fixed default of 4 held a matched draft to half its yield: at
-        c=2 the batch then served two users more slowly than one-at-a-time drafting to 8."""
-        k = cls.max_draft_tokens if num_draft_tokens is None else num_draft_tokens
-        return cls(num_draft_tokens=k, **settings)
-
-
-@dataclass
-class SequenceState:
-    """A request's portable state: what migration between engines carries.
-
-    `cache` holds `seq.all_tokens[:cached]`; the remaining tokens (at least the
-    newest) are still to be fed. `seq.rng` carries the sampler's key chain. The
-    drafting state is the sequence's own: its gates, its n-gram index and its
-    draft-model cache travel with it and are never shared with another request."""
-
-    seq: Sequence
-    cache: list
-    cached: int
-    gates: dict[str, MethodGate] | None = None  # drafting state, kept across a round trip
-    pld: PromptLookupDrafter | None = None
-    draft: DraftState | None = None
-    mtp: MTPState | None = None
 
 
 @dataclass
@@ -131,9 +85,10 @@ class SpeculativeEngine:
     def __init__(
         self,
         registry: ModelRegistry,
-        config: SpecConfig = SpecConfig(),
+        config: SpecConfig | None = None,
         cost: CostModel | None = None,
     ) -> None:
+        config = config or SpecConfig()
         self.registry = registry
         self.model = registry.model_for(self.name)
         self.config = config

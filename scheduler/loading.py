@@ -29,7 +29,8 @@ from engines.rollback import (
     supports_rollback,
     supports_snapshot,
 )
-from engines.speculative import SpecConfig, SpeculativeEngine
+from engines.spec_state import SpecConfig
+from engines.speculative import SpeculativeEngine
 from scheduler.config import SchedulerConfig
 
 log = logging.getLogger(__name__)

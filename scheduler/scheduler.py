@@ -30,7 +30,8 @@ from engines.prompt_scoring import PromptScorer
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest
 from engines.sequence import FinishReason, StepOutput, make_sequence
-from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
+from engines.spec_state import SequenceState, SpecConfig
+from engines.speculative import SpeculativeEngine
 from scheduler.admission import Backpressure, FairQueue, KeyCounts
 from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters

@@ -23,7 +23,8 @@ from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from engines.sampling import RandomStream
 from engines.sequence import make_sequence
-from engines.speculative import SpecConfig, SpeculativeEngine
+from engines.spec_state import SpecConfig
+from engines.speculative import SpeculativeEngine
 from tests.conftest import Reference, make_client, start_scheduler
 from tests.distributions import assert_same_token_distribution
 from tests.test_batched_speculation import (

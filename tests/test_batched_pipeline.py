@@ -15,7 +15,8 @@ from engines.measured_costs import CostModel
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams
 from engines.sequence import FinishReason, make_sequence
-from engines.speculative import SpecConfig, SpeculativeEngine
+from engines.spec_state import SpecConfig
+from engines.speculative import SpeculativeEngine
 from tests.distributions import assert_same_token_distribution
 from tests.test_batched_speculation import PROMPTS, greedy_request
 

@@ -21,7 +21,8 @@ from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from engines.sampling import RandomStream
 from engines.sequence import FinishReason, make_sequence
-from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
+from engines.spec_state import SequenceState, SpecConfig
+from engines.speculative import SpeculativeEngine
 from tests.distributions import assert_same_token_distribution
 
 # Nearly flat verify costs (as for a tiny model): drafting pays at every batch size,

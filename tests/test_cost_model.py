@@ -27,7 +27,8 @@ from engines.measured_costs import (
 from engines.registry import LoadedModel, ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from engines.sequence import make_sequence
-from engines.speculative import SpecConfig, SpeculativeEngine
+from engines.spec_state import SpecConfig
+from engines.speculative import SpeculativeEngine
 from tests.conftest import make_client
 
 

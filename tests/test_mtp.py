@@ -28,7 +28,8 @@ from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from engines.sampling import RandomStream
 from engines.sequence import make_sequence
-from engines.speculative import SequenceState, SpecConfig, SpeculativeEngine
+from engines.spec_state import SequenceState, SpecConfig
+from engines.speculative import SpeculativeEngine
 from tests.conftest import Reference, make_client, start_scheduler
 from tests.distributions import assert_same_token_distribution
 from tests.test_metrics import scrape, value

@@ -12,7 +12,8 @@ from engines.measured_costs import CostModel
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams
 from engines.sequence import FinishReason, make_sequence
-from engines.speculative import SpecConfig, SpeculativeEngine
+from engines.spec_state import SpecConfig
+from engines.speculative import SpeculativeEngine
 
 
 @pytest.fixture(scope="module")

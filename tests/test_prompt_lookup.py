@@ -16,7 +16,8 @@ from engines.prompt_lookup import MAX_SUBSTITUTIONS, CopyLookup
 from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams
 from engines.sequence import make_sequence
-from engines.speculative import SpecConfig, SpeculativeEngine
+from engines.spec_state import SpecConfig
+from engines.speculative import SpeculativeEngine
 from tests.forcing import forced_tokens_processor
 
 OLD, NEW = [50, 51], [60, 61, 62]  # a renamed identifier: two tokens became three

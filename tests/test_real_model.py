@@ -45,7 +45,8 @@ STORY_PROMPTS = [
 def stories_spec_engine():
     from engines.measured_costs import CostModel
     from engines.registry import ModelRegistry
-    from engines.speculative import SpecConfig, SpeculativeEngine
+    from engines.spec_state import SpecConfig
+    from engines.speculative import SpeculativeEngine
 
     registry = ModelRegistry.load(str(STORIES), str(SALTY))
     engine = SpeculativeEngine(registry, SpecConfig(num_draft_tokens=4), CostModel.assumed(9))

@@ -14,7 +14,8 @@ from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from engines.sampling import RandomStream
 from engines.sequence import FinishReason, make_sequence
-from engines.speculative import SpecConfig, SpeculativeEngine
+from engines.spec_state import SpecConfig
+from engines.speculative import SpeculativeEngine
 from tests.distributions import assert_same_token_distribution
 
 COST = CostModel.assumed(9)

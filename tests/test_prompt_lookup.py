@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engines.drafters import PLD
-from engines.gates import MethodGate
+from engines.gates import MethodGate, prompt_repetition_score
 from engines.measured_costs import CostModel
 from engines.prompt_lookup import MAX_SUBSTITUTIONS, CopyLookup
 from engines.registry import ModelRegistry
@@ -167,3 +167,35 @@ def test_lookup_rates_are_learned_per_match_length_at_every_position():
     assert weak[0] == pytest.approx(0.5, abs=0.1) and weak[1] < 0.2
     assert gate.draft_length(8, cost, match=3) == 8
     assert gate.draft_length(8, cost, match=1) <= 1
+
+
+def test_a_prompt_that_does_not_repeat_itself_still_drafts_when_the_answer_copies_it(
+    tiny_model_dir,
+):
+    """The prompt gate starts lookup closed on a prompt that does not repeat itself, but
+    its first strong match probes at once: an answer that copies the prompt from its
+    first token is drafted from its first tokens, not after a back-off of plain steps."""
+    registry = ModelRegistry.load(str(tiny_model_dir))
+    engine = SpeculativeEngine(registry, SpecConfig(), cost=CostModel.assumed(9))
+    registry.transfer(engine.name)
+    tokenizer = registry.tokenizer
+    text = "Seven bright kites drift above quiet green hills, chasing warm winds."
+    prompt = tokenizer.encode("Say it back: " + text)
+    assert prompt_repetition_score(prompt) < SpecConfig().prompt_gate_threshold
+    script = tokenizer.encode(text)
+    request = GenerationRequest("r", tuple(prompt), len(script), SamplingParams(temperature=0))
+    seq = make_sequence(request, tokenizer)
+    seq.processors.append(forced_tokens_processor(len(prompt), script))
+    engine.add(seq)
+    plain_tokens_before_a_draft = 0
+    while engine.active is not None:
+        for output in engine.step():
+            if len(output.token_ids) > 1:
+                break
+            plain_tokens_before_a_draft += len(output.token_ids)
+        else:
+            continue
+        break
+    assert seq.spec.gate_trips.get("prompt") == 1
+    # (a weak first match postpones the look by 4 tokens; the old back-off waited 16)
+    assert plain_tokens_before_a_draft <= 8, plain_tokens_before_a_draft

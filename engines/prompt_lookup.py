@@ -43,9 +43,14 @@ class Proposal:
 
     at: int  # context length when proposed
     on_copy: bool  # it continued the copy from where the copy was
-    tokens: list[int]
-    sources: list[int]
-    substituted: list[tuple[int, ...] | None]
+    tokens: list[int] = field(default_factory=list)
+    sources: list[int] = field(default_factory=list)
+    substituted: list[tuple[int, ...] | None] = field(default_factory=list)
+
+    def add(self, token: int, source: int, substituted: tuple[int, ...] | None = None) -> None:
+        self.tokens.append(token)
+        self.sources.append(source)
+        self.substituted.append(substituted)
 
 
 @dataclass
@@ -195,7 +200,7 @@ class CopyLookup:
         continues periodic text (runs, loops) in full."""
         source = self.tokens
         period = len(source) - start
-        proposal = Proposal(len(source), on_copy, [], [], [])
+        proposal = Proposal(len(source), on_copy)
         position = start
         firsts = {old[0] for old in self.substitutions}
         while len(proposal.tokens) < k:
@@ -203,24 +208,17 @@ class CopyLookup:
                 back = len(proposal.tokens) - period
                 if back < 0:  # substitutions shortened the copy: no period to repeat
                     break
-                proposal.tokens.append(proposal.tokens[back])
-                proposal.sources.append(position)
-                proposal.substituted.append(None)
+                proposal.add(proposal.tokens[back], position)
                 position += 1
                 continue
             old = self._substitution_at(position, firsts)
             if old is None:
-                proposal.tokens.append(source[position])
-                proposal.sources.append(position)
-                proposal.substituted.append(None)
+                proposal.add(source[position], position)
                 position += 1
                 continue
-            for token in self.substitutions[old]:
-                proposal.tokens.append(token)
-                proposal.sources.append(position)
-                proposal.substituted.append(old)
+            for token in self.substitutions[old][: k - len(proposal.tokens)]:
+                proposal.add(token, position, old)
             position += len(old)
-        del proposal.tokens[k:], proposal.sources[k:], proposal.substituted[k:]
         return proposal
 
     def _substitution_at(self, position: int, firsts: set[int]) -> tuple[int, ...] | None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -329,11 +330,40 @@ def report(runs: list[dict[str, dict[str, Result]]], json_path: Path | None) -> 
                 "accepted": result.accepted,
                 "greedy_mismatches": result.mismatches,
             }
+    report_paired(merged(runs), table)
     if len(runs) > 1:
         table["per_run"] = report_runs(runs)
     if json_path:
         json_path.write_text(json.dumps(table, indent=2))
     return table
+
+
+def paired_vs_plain(result: Result, plain: Result) -> dict:
+    """Each prompt's speed-up over plain on the same prompt (they ran back to back), their
+    geometric mean, and the ratio of the time all prompts took (each generates the same
+    tokens in both configs): the medians of two configs' rates can come from different
+    prompts, these cannot."""
+    ratios = [rate / base for rate, base in zip(result.rates, plain.rates, strict=True)]
+    geomean = math.exp(statistics.fmean(math.log(r) for r in ratios))
+    total_time = sum(1 / r for r in plain.rates) / sum(1 / r for r in result.rates)
+    return {"per_prompt": ratios, "geomean": geomean, "total_time": total_time}
+
+
+def report_paired(by_set: dict[str, dict[str, Result]], table: dict) -> None:
+    print()
+    for set_name, by_config in by_set.items():
+        if "plain" not in by_config:
+            continue
+        for config, result in by_config.items():
+            if config == "plain" or len(result.rates) != len(by_config["plain"].rates):
+                continue
+            paired = paired_vs_plain(result, by_config["plain"])
+            table[set_name][config]["paired_vs_plain"] = paired
+            per_prompt = ", ".join(f"{r:.2f}" for r in paired["per_prompt"])
+            print(
+                f"{set_name:10} {config:16} vs plain, prompt by prompt: [{per_prompt}]  "
+                f"geomean {paired['geomean']:.2f}x  total time {paired['total_time']:.2f}x"
+            )
 
 
 def report_runs(runs: list[dict[str, dict[str, Result]]]) -> dict:

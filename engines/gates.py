@@ -122,7 +122,11 @@ class MethodGate:
     # the n-gram match that proposed the draft (a one-token match is a much weaker hint
     # than three, at the first position and along the copy)
     by_match: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict)
-    # what this method's verifies really committed per second in this request
+    # what this method's verifies really committed per second in this request, averaged
+    # over about ten verifies: prompt lookup's yield swings from a whole copy to nothing
+    # verify to verify, and a four-verify average (the rates' weight) closed the gate on
+    # a short bad run: type hints on Qwen2.5-Coder-1.5B 1.58x -> 1.90x plain in replay
+    outcome_weight: float = 0.1
     outcome_tokens: float | None = None
     outcome_seconds: float | None = None
     outcomes: int = 0
@@ -245,8 +249,9 @@ class MethodGate:
     def observe_outcome(self, seconds: float, tokens: int) -> None:
         """A verify of this method as served: its wall time and the tokens it committed."""
         self.outcomes += 1
-        self.outcome_tokens = self._learned(self.outcome_tokens, float(tokens), self.outcomes)
-        self.outcome_seconds = self._learned(self.outcome_seconds, seconds, self.outcomes)
+        weight, n = self.outcome_weight, self.outcomes
+        self.outcome_tokens = mean_then_running(self.outcome_tokens, float(tokens), weight, n)
+        self.outcome_seconds = mean_then_running(self.outcome_seconds, seconds, weight, n)
 
     def measured_against(self, plain_rate: float | None) -> Measured | None:
         """This request's drafting with the method, as served, against plain steps'

@@ -305,7 +305,8 @@ def report(runs: list[dict[str, dict[str, Result]]], json_path: Path | None) -> 
         f"{'set':10} {'config':16} {'tok/s':>7} {'vs mlx-lm':>9} {'vs plain':>8}"
         "  acceptance (accepted/drafted)"
     )
-    for set_name, by_config in merged(runs).items():
+    by_set = merged(runs)
+    for set_name, by_config in by_set.items():
         base = statistics.median(by_config["mlx-lm"].rates)
         plain = statistics.median(by_config["plain"].rates) if "plain" in by_config else None
         for config, result in by_config.items():
@@ -330,7 +331,7 @@ def report(runs: list[dict[str, dict[str, Result]]], json_path: Path | None) -> 
                 "accepted": result.accepted,
                 "greedy_mismatches": result.mismatches,
             }
-    report_paired(merged(runs), table)
+    report_paired(by_set, table)
     if len(runs) > 1:
         table["per_run"] = report_runs(runs)
     if json_path:
@@ -355,7 +356,7 @@ def report_paired(by_set: dict[str, dict[str, Result]], table: dict) -> None:
         if "plain" not in by_config:
             continue
         for config, result in by_config.items():
-            if config == "plain" or len(result.rates) != len(by_config["plain"].rates):
+            if config == "plain":
                 continue
             paired = paired_vs_plain(result, by_config["plain"])
             table[set_name][config]["paired_vs_plain"] = paired

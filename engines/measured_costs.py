@@ -76,13 +76,13 @@ class CostModel:
         """Verify costs up to `max_tokens`, sizes past the measured ones continued at the
         slope of the measured tail (up to four sizes back), so long lookup drafts need no
         longer start-up; served verifies then replace the guesses (`OnlineCosts`)."""
-        verify = list(self.verify)
-        if max_tokens <= len(verify):
+        if max_tokens <= len(self.verify):
             return self
+        verify = list(self.verify)
         back = min(4, len(verify) - 1)
-        slope = (verify[-1] - verify[-1 - back]) / back if back else 0.0
+        slope = max((verify[-1] - verify[-1 - back]) / back, 0.0) if back else 0.0
         while len(verify) < max_tokens:
-            verify.append(verify[-1] + max(slope, 0.0))
+            verify.append(verify[-1] + slope)
         return CostModel(tuple(verify), self.draft_step, self.plain_seconds)
 
     def as_dict(self) -> dict:

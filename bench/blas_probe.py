@@ -89,11 +89,13 @@ def blas_of_process(pid: int) -> dict[str, Any]:
     except OSError as exc:
         return {"blas": "unknown", "source": f"/proc/{pid}/maps: {exc.strerror}"}
     libraries = {line.split()[-1] for line in maps.splitlines() if "/" in line}
+    # MLX's CUDA build computes on the GPU whatever BLAS is also mapped (numpy's, say):
+    # the same "gpu" that Tandem's own startup line says there.
+    if any("libcuda" in path or "libcudart" in path for path in libraries):
+        return {"blas": "gpu", "library": None}
     fast = sorted(path for path in libraries if FAST_BLAS_PATTERN.search(path))
     if fast:
         return {"blas": "mkl" if "mkl" in fast[0] else "openblas", "library": fast[0]}
-    if any("libcuda" in path or "libcudart" in path for path in libraries):
-        return {"blas": "gpu (cuda)", "library": None}
     if any("libmlx" in path for path in libraries):
         return {"blas": "reference", "library": None}
     return {"blas": "unknown", "library": None}

@@ -7,6 +7,7 @@ tandem bench ceiling MODEL      the most prompt lookup could gain in a batch (an
 tandem bench draft-ceiling MODEL --draft-model D   what draft length policies can gain, one stream
 tandem bench distributed MODEL  one model over mlx.launch ranks vs one process, and mlx_lm's
 tandem bench rollback MODEL     verify and rollback cost vs a plain step (recurrent, windowed)
+tandem bench invariance [MODEL] verify vs plain logits on this device, per dtype (exactness)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 
 # commands that run MLX in this process: like `tandem serve`, they re-exec with a fast
 # BLAS preloaded on Linux CPU (TANDEM_NO_BLAS_PRELOAD=1 keeps the BLAS as it is)
-IN_PROCESS = {"spec", "single", "grammar", "ceiling", "draft-ceiling", "rollback"}
+IN_PROCESS = {"spec", "single", "grammar", "ceiling", "draft-ceiling", "rollback", "invariance"}
 
 
 def main(argv: list[str]) -> None:
@@ -32,6 +33,7 @@ def main(argv: list[str]) -> None:
         "draft-ceiling": "bench.draft_ceiling",
         "distributed": "bench.distributed",
         "rollback": "bench.rollback_cost",
+        "invariance": "bench.batch_invariance",
     }
     if not argv or argv[0] not in commands:
         print(__doc__)

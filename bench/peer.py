@@ -87,12 +87,13 @@ def peer_command(model: str, port: int, config: PeerConfig) -> list[str]:
 def peer_env() -> dict[str, str]:
     """This environment with the fast BLAS that `tandem serve` would preload on Linux
     CPU (`engines.blas.find_fast_blas`) added to LD_PRELOAD, so both compute alike;
-    unchanged where Tandem would not preload (TANDEM_NO_BLAS_PRELOAD)."""
-    from engines.blas import FAST_BLAS_PATTERN, find_fast_blas
+    unchanged where Tandem would not preload (TANDEM_NO_BLAS_PRELOAD, or a GPU)."""
+    from engines.blas import FAST_BLAS_PATTERN, computes_on_cpu, find_fast_blas
 
     env = dict(os.environ)
     preload = env.get("LD_PRELOAD", "")
     preloads = sys.platform.startswith("linux") and not env.get("TANDEM_NO_BLAS_PRELOAD")
+    preloads = preloads and computes_on_cpu()
     fast = find_fast_blas() if preloads else None
     if fast and not FAST_BLAS_PATTERN.search(preload):
         env["LD_PRELOAD"] = ":".join(p for p in (fast, preload) if p)

@@ -57,13 +57,18 @@ def _pip_mkl() -> list[str]:
     ]
 
 
-def describe_blas() -> str:
-    """One word for logs and metrics: accelerate, openblas, mkl, reference or gpu."""
+def computes_on_cpu() -> bool:
+    """MLX's default device is the CPU: the only case where the BLAS sets the speed."""
     import mlx.core as mx
 
+    return mx.default_device() == mx.cpu
+
+
+def describe_blas() -> str:
+    """One word for logs and metrics: accelerate, openblas, mkl, reference or gpu."""
     if sys.platform == "darwin":
         return "accelerate"
-    if mx.default_device() != mx.cpu:
+    if not computes_on_cpu():
         return "gpu"
     loaded = loaded_fast_blas()
     if loaded is None:
@@ -75,6 +80,4 @@ def needs_fast_blas() -> bool:
     """True on Linux when MLX computes on the CPU with the bundled reference BLAS."""
     if not sys.platform.startswith("linux"):
         return False
-    import mlx.core as mx
-
-    return mx.default_device() == mx.cpu and loaded_fast_blas() is None
+    return computes_on_cpu() and loaded_fast_blas() is None

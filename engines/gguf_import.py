@@ -204,11 +204,20 @@ def model_config(architecture: str, metadata: dict, tensor_names: list[str]) -> 
     return config
 
 
+# The tokenizer's special tokens and the GGUF fields holding their ids. transformers keeps
+# the same table as a private name that older 5.x releases lack, so it is written out here.
+SPECIAL_TOKEN_IDS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
+
+
 def save_tokenizer(architecture: str, metadata: dict, out: Path) -> None:
     """The file's tokenizer and chat template as a Hugging Face fast tokenizer."""
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        _SPECIAL_TOKENS,
         GGUF_TOKENIZER_MAPPING,
         convert_gguf_tokenizer,
     )
@@ -224,7 +233,7 @@ def save_tokenizer(architecture: str, metadata: dict, out: Path) -> None:
     tokens, config = grouped["tokenizer"], grouped["tokenizer_config"]
     if tokens.get("tokenizer_type") == "llama":
         config.setdefault("add_bos_token", True)
-    for name, key in _SPECIAL_TOKENS.items():
+    for name, key in SPECIAL_TOKEN_IDS.items():
         token_id = metadata.get(f"tokenizer.ggml.{key}")
         config[name] = tokens["tokens"][token_id] if token_id is not None else None
     backend, extra = convert_gguf_tokenizer(architecture, tokens)

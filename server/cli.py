@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 
+from engines.precision import keep_float32_exact
 from server.blas_preload import ensure_fast_blas
 from server.logging_setup import configure_logging
 
@@ -273,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    keep_float32_exact()  # before anything computes: benches check equality too
     if argv[:1] == ["bench"]:  # bench parses its own arguments, --help included
         from bench.cli import main as bench_main
 

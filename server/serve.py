@@ -203,10 +203,12 @@ def serve(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
     from engines.blas import describe_blas
+    from engines.precision import float32_matmuls
     from server.app import create_app
 
     config = build_config(args)
-    log.info("compute: %s, BLAS: %s", mx.default_device(), describe_blas())
+    device, blas, matmuls = mx.default_device(), describe_blas(), float32_matmuls()
+    log.info("compute: %s, BLAS: %s, float32 matmuls: %s", device, blas, matmuls)
     if config.scheduler.distributed:
         from scheduler.follower import follower_rank, run_follower
 

@@ -14,9 +14,14 @@ from mlx_lm.generate import generate_step
 
 from engines.demo import TinyModelSpec, build_tiny_model
 from engines.measured_costs import CostModel
+from engines.precision import keep_float32_exact
 from scheduler import Scheduler, SchedulerConfig
 from server.app import create_app
 from server.config import ServerConfig
+
+# As `tandem` does, before the first matrix product (MLX latches the variable then): the
+# exactness tests hold on GPUs whose float32 products would otherwise run in TF32.
+keep_float32_exact()
 
 SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 MODEL_NAME = "tiny"

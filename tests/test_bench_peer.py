@@ -99,6 +99,7 @@ def test_peer_gets_the_fast_blas_tandem_would_preload(monkeypatch):
     import engines.blas
 
     monkeypatch.setattr(engines.blas, "find_fast_blas", lambda: "/opt/libopenblas.so.0")
+    monkeypatch.setattr(engines.blas, "computes_on_cpu", lambda: True)
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.delenv("TANDEM_NO_BLAS_PRELOAD", raising=False)
     monkeypatch.setenv("LD_PRELOAD", "/x/libfoo.so")
@@ -107,6 +108,9 @@ def test_peer_gets_the_fast_blas_tandem_would_preload(monkeypatch):
     assert peer_env()["LD_PRELOAD"] == "/usr/lib/libopenblas.so.0"
     monkeypatch.setenv("LD_PRELOAD", "/x/libfoo.so")
     monkeypatch.setenv("TANDEM_NO_BLAS_PRELOAD", "1")  # tandem serve would not preload
+    assert peer_env()["LD_PRELOAD"] == "/x/libfoo.so"
+    monkeypatch.delenv("TANDEM_NO_BLAS_PRELOAD")
+    monkeypatch.setattr(engines.blas, "computes_on_cpu", lambda: False)  # MLX on a GPU
     assert peer_env()["LD_PRELOAD"] == "/x/libfoo.so"
 
 
@@ -207,13 +211,15 @@ def test_ratios_are_against_the_better_peer_row(peer_run):
 
 
 def test_peer_runs_on_the_same_blas_as_tandem(peer_run):
-    from engines.blas import find_fast_blas
+    from engines.blas import computes_on_cpu, find_fast_blas
 
     result, _ = peer_run
     tandem_blas = result["server"]["blas"]["blas"]
     for peer in result["peers"].values():
         assert peer["server"]["blas"]["blas"] == tandem_blas
-    if sys.platform.startswith("linux") and find_fast_blas() is not None:
+    if sys.platform.startswith("linux") and not computes_on_cpu():
+        assert tandem_blas == "gpu"
+    elif sys.platform.startswith("linux") and find_fast_blas() is not None:
         assert tandem_blas in ("openblas", "mkl")
 
 

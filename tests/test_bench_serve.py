@@ -249,12 +249,14 @@ def test_check_greedy_passes_on_tandem(tandem_run):
 
 
 def test_result_states_the_servers_blas(tandem_run):
-    from engines.blas import find_fast_blas
+    from engines.blas import computes_on_cpu, find_fast_blas
 
     result, _, _ = tandem_run
     blas = result["server"]["blas"]["blas"]
     preloads = not os.environ.get("TANDEM_NO_BLAS_PRELOAD")
-    if sys.platform.startswith("linux") and find_fast_blas() is not None and preloads:
+    if sys.platform.startswith("linux") and not computes_on_cpu():
+        assert blas == "gpu", result["server"]
+    elif sys.platform.startswith("linux") and find_fast_blas() is not None and preloads:
         assert blas in ("openblas", "mkl"), result["server"]
     assert blas != "unknown" or not sys.platform.startswith("linux")
 

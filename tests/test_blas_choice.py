@@ -11,8 +11,16 @@ import sys
 import pytest
 
 import engines.blas
-from engines.blas import find_fast_blas
+from engines.blas import computes_on_cpu, find_fast_blas
 from tests.test_process import BLAS_PRELOAD, env_without, running_server
+
+# The mkl wheel is a dependency on x86_64 Linux only, and only MLX's CPU backend uses it
+# (on a GPU the server says "BLAS: gpu", tests/test_process.py).
+mkl_wheel_in_use = pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and platform.machine() == "x86_64")
+    or not computes_on_cpu(),
+    reason="the mkl wheel serves MLX's CPU backend on x86_64 Linux only",
+)
 
 
 @pytest.fixture
@@ -44,10 +52,7 @@ def test_openblas_first_then_the_mkl_wheel_then_none(fake_libraries):
         del os.environ["TANDEM_BLAS"]
 
 
-@pytest.mark.skipif(
-    not (sys.platform.startswith("linux") and platform.machine() == "x86_64"),
-    reason="the mkl wheel is a dependency on x86_64 Linux only",
-)
+@mkl_wheel_in_use
 def test_the_install_brings_mkl_and_the_server_preloads_it(tiny_model_dir):
     """The venv's own MKL (no apt): the server re-execs with it and says so."""
     env = env_without(*BLAS_PRELOAD, TANDEM_BLAS="mkl")
@@ -57,10 +62,7 @@ def test_the_install_brings_mkl_and_the_server_preloads_it(tiny_model_dir):
         assert "libmkl_rt" in proc.log()
 
 
-@pytest.mark.skipif(
-    not (sys.platform.startswith("linux") and platform.machine() == "x86_64"),
-    reason="the mkl wheel is a dependency on x86_64 Linux only",
-)
+@mkl_wheel_in_use
 def test_an_in_process_bench_preloads_a_fast_blas_too(tiny_model_dir, tmp_path):
     """`tandem bench draft-ceiling` runs MLX in its own process: started without a
     preload it re-execs with one, as the server does, and its header names it."""

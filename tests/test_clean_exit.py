@@ -49,7 +49,8 @@ def run_trial(model_dir: Path) -> subprocess.CompletedProcess:
     blas = find_fast_blas()
     if blas:
         env["LD_PRELOAD"] = str(blas)
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return subprocess.run(
         [sys.executable, "-c", SCRIPT, str(model_dir)],
         capture_output=True,

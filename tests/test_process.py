@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from bench.single_stream import free_port
-from engines.blas import find_fast_blas
+from engines.blas import computes_on_cpu, find_fast_blas
+from engines.precision import TF32_VARIABLE, float32_matmuls, keep_float32_exact
 
 TANDEM = str(Path(sys.executable).parent / "tandem")
 # Without these the server decides for itself whether to re-exec with a fast BLAS,
@@ -91,15 +92,30 @@ def running_server(args: list[str], env: dict[str, str]) -> Iterator[ServerProce
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     args = [str(tiny_model_dir), "--served-model-name", "tiny"]
-    with running_server(args, env_without(*BLAS_PRELOAD)) as proc:
+    # MLX_ENABLE_TF32 as a user leaves it: unset (the tests' own process sets it).
+    with running_server(args, env_without(*BLAS_PRELOAD, TF32_VARIABLE)) as proc:
         yield proc
 
 
 def test_startup_log_names_the_blas_in_use(server):
     line = server.wait_for_log(r"BLAS: (\w+)")
-    if sys.platform.startswith("linux") and find_fast_blas() is not None:
+    if sys.platform.startswith("linux") and not computes_on_cpu():
+        assert line.group(1) == "gpu", server.log()
+    elif sys.platform.startswith("linux") and find_fast_blas() is not None:
         assert line.group(1) in ("openblas", "mkl"), server.log()
     assert "serving" in server.log()
+
+
+def test_float32_products_run_in_full_precision_unless_the_user_chose(server):
+    """TF32 (NVIDIA, Apple M5) would round a verify step's products but not a plain
+    step's, so greedy speculation would drift from plain decoding: off by default."""
+    assert "float32 matmuls: full" in server.wait_for_log(r"compute: .*").group(0)
+    chosen = {TF32_VARIABLE: "1"}
+    keep_float32_exact(chosen)
+    assert chosen == {TF32_VARIABLE: "1"} and float32_matmuls(chosen) != "full"
+    unset: dict[str, str] = {}
+    keep_float32_exact(unset)
+    assert float32_matmuls(unset) == "full"
 
 
 def test_streaming_over_real_socket(server):

@@ -183,7 +183,10 @@ async def test_a_cancelled_scoring_request_frees_its_slot(chunked, reference):
         "cancelled", tuple(prompt_of(tokenizer, LONG_PROMPT)), 4, GREEDY, prompt_logprobs=0
     )
     stream = chunked.submit(request)
-    await asyncio.sleep(0.05)
+    for _ in range(5000):  # polled, not slept: a GPU scores the prompt within 50 ms
+        if chunked.num_running:
+            break
+        await asyncio.sleep(0.001)
     assert chunked.num_running == 1  # being scored counts as running
     stream.cancel()
     after = chunked.submit(GenerationRequest("after", tuple(prompt_of(tokenizer, 8)), 4, GREEDY))

@@ -20,17 +20,17 @@ from starlette.types import Receive, Scope, Send
 from engines.blas import describe_blas
 from engines.errors import TandemError
 from scheduler import Scheduler, SchedulerState
-from server.anthropic import count_message_tokens, create_message
+from server.anthropic.endpoints import count_message_tokens, create_message
 from server.auth import ApiKeyMiddleware
-from server.chat import create_chat_completion
-from server.completions import create_completion
 from server.config import ServerConfig
 from server.errors import ApiError, error_response_for, from_tandem_error
 from server.hosts import ANY_HOST, HostCheck
 from server.http import model_info_of
 from server.limits import BodyReadTimeout, BodySizeLimit, RateLimit
 from server.metrics import Metrics
-from server.responses import create_response, delete_response, retrieve_response
+from server.openai.chat import create_chat_completion
+from server.openai.completions import create_completion
+from server.responses.endpoints import create_response, delete_response, retrieve_response
 
 log = logging.getLogger(__name__)
 

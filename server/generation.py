@@ -10,7 +10,7 @@ import uuid
 
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from server.errors import bad_request
-from server.schemas import SamplingFields
+from server.openai.schemas import SamplingFields
 
 
 def new_request_id(prefix: str) -> str:

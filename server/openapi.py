@@ -23,10 +23,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from server.anthropic_schemas import CountTokensRequest, MessagesRequest
+from server.anthropic.schemas import CountTokensRequest, MessagesRequest
 from server.config import ServerConfig
-from server.responses_schemas import ResponsesRequest
-from server.schemas import ChatCompletionRequest, CompletionRequest
+from server.openai.schemas import ChatCompletionRequest, CompletionRequest
+from server.responses.schemas import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 

@@ -12,8 +12,8 @@ from itertools import takewhile
 from typing import Any
 
 from server.errors import ApiError, bad_request
+from server.openai.schemas import ChatMessage, TextPart
 from server.safe_encoding import Escaper, encode_marked
-from server.schemas import ChatMessage, TextPart
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:

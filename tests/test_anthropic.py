@@ -18,8 +18,8 @@ import pytest
 from mlx_lm import generate
 
 from scheduler import Scheduler
-from server.anthropic import BlockStream, normalize_messages
-from server.anthropic_schemas import MessagesPrompt
+from server.anthropic.endpoints import BlockStream, normalize_messages
+from server.anthropic.schemas import MessagesPrompt
 from server.app import create_app
 from server.config import ServerConfig
 from server.output_parser import ParsedDelta, ToolCall

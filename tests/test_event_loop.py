@@ -120,10 +120,10 @@ def hold_assembly(surface: str, monkeypatch) -> HeldOnce:
         held = HeldOnce(OutputParser.step)
         monkeypatch.setattr(OutputParser, "step", lambda self, *a: held(self, *a))
         return held
-    import server.logprobs_format
+    import server.openai.logprobs
 
-    held = HeldOnce(server.logprobs_format.token_text)
-    monkeypatch.setattr(server.logprobs_format, "token_text", held)
+    held = HeldOnce(server.openai.logprobs.token_text)
+    monkeypatch.setattr(server.openai.logprobs, "token_text", held)
     return held
 
 

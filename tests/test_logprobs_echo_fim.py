@@ -13,7 +13,7 @@ import pytest
 from mlx_lm import generate
 from mlx_lm.generate import generate_step
 
-from server.logprobs_format import token_text
+from server.openai.logprobs import token_text
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
 
 PROMPT = "def add(a, b):\n    return a + b\n" * 2

@@ -15,7 +15,12 @@ from pydantic import TypeAdapter
 
 from server.app import create_app
 from server.config import ServerConfig
-from server.responses import ResponsesRequest, ResponseStore, StoredResponse, normalize_input
+from server.responses.endpoints import (
+    ResponsesRequest,
+    ResponseStore,
+    StoredResponse,
+    normalize_input,
+)
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
 from tests.forcing import SCRIPTS, TOOL_CALL, forcing_factory, tool_round_trip_messages
 

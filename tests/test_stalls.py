@@ -19,7 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engines.logprobs import token_logprobs
 from engines.request import GenerationRequest, SamplingParams
-from server.logprobs_format import token_text
+from server.openai.logprobs import token_text
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
 from tests.test_logprobs_echo_fim import assert_prompt_logprobs_match, reference_logprobs
 from tests.test_structured_outputs import SCHEMA

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag
 
-from server.schemas import FunctionSpec, OpenAIMetadata, SamplingFields
+from server.openai.schemas import FunctionSpec, OpenAIMetadata, SamplingFields
 
 
 def _type_of(value: Any) -> Any:

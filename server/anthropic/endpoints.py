@@ -26,7 +26,7 @@ from engines.errors import RequestAborted, RequestFailed
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from engines.sequence import FinishReason
 from scheduler import TokenEvent
-from server.anthropic_schemas import (
+from server.anthropic.schemas import (
     CountTokensRequest,
     InputMessage,
     MessagesPrompt,

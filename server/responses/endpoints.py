@@ -2,7 +2,7 @@
 stored responses.
 
 Input items become the normalised messages the chat surface renders. Output is split
-by `OutputParser`, then `OutputAssembler` (server/responses_output.py) builds the Responses
+by `OutputParser`, then `OutputAssembler` (server/responses/output.py) builds the Responses
 output items and the stream events that build them. `previous_response_id` continues a
 conversation kept in `ResponseStore`, an LRU on app.state bounded by entries and bytes
 and scoped by API key. A finished response is assembled and stored in a worker thread:
@@ -46,8 +46,8 @@ from server.http import (
 from server.json_body import PiecewiseJSONResponse
 from server.output_parser import OutputParser
 from server.prompts import render_chat
-from server.responses_output import OutputAssembler, assistant_turn, new_item_id
-from server.responses_schemas import (
+from server.responses.output import OutputAssembler, assistant_turn, new_item_id
+from server.responses.schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
     MessageItem,
@@ -57,7 +57,7 @@ from server.responses_schemas import (
     ResponsesRequest,
     TextContent,
 )
-from server.responses_store import ResponseStore, StoredResponse
+from server.responses.store import ResponseStore, StoredResponse
 from server.structured import (
     openai_tool_choice,
     output_constraint,

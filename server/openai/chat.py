@@ -32,10 +32,10 @@ from server.http import (
     submit,
 )
 from server.json_body import PiecewiseJSONResponse
-from server.logprobs_format import chat_logprobs, merge
+from server.openai.logprobs import chat_logprobs, merge
+from server.openai.schemas import ChatCompletionRequest, ChatMessage
 from server.output_parser import OutputParser, ParsedDelta, ToolCall
 from server.prompts import message_text, render_chat
-from server.schemas import ChatCompletionRequest, ChatMessage
 from server.sse import DONE, sse_data
 from server.structured import (
     chat_response_format,

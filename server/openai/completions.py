@@ -31,9 +31,9 @@ from server.http import (
     submit,
 )
 from server.json_body import PiecewiseJSONResponse
-from server.logprobs_format import completion_logprobs, join_logprobs, merge, prompt_logprobs
+from server.openai.logprobs import completion_logprobs, join_logprobs, merge, prompt_logprobs
+from server.openai.schemas import CompletionRequest
 from server.prompts import completion_prompt_ids, fim_prompt_ids
-from server.schemas import CompletionRequest
 from server.sse import DONE, sse_data
 from server.usage import finish_reason_name, usage
 

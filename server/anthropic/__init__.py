@@ -1,0 +1,1 @@
+"""The Anthropic Messages surface: `/v1/messages` and its token count."""

@@ -91,9 +91,7 @@ class BatchedSpeculativeEngine:
         if self.mtp is not None:
             self.model = self.mtp.target  # the same ops and logits, run in two parts
         self.config: SpecConfig = speculative.config
-        self.initial_gates = speculative.initial_gates
-        self.request_k = speculative.request_k
-        self.k_cap = speculative.k_cap
+        self.limits = speculative.limits  # a migrating request keeps its limits
         self.costs = costs or BatchCosts(speculative.cost, learn=speculative.costs.learn)
         self.prefill_step_size = prefill_step_size
         self.rows: list[BatchRow] = []
@@ -150,7 +148,7 @@ class BatchedSpeculativeEngine:
         cache, whose first token would otherwise wait for a verify of the whole batch
         at its full draft length."""
         seq = state.seq
-        gates = state.gates if state.gates is not None else self.initial_gates(seq)
+        gates = state.gates if state.gates is not None else self.limits.initial_gates(seq)
         pld = state.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
         row = BatchRow(seq, gates, pld)
         drafter = self.model_drafter
@@ -468,7 +466,7 @@ class BatchedSpeculativeEngine:
         if not row.gates:
             return 0
         seq = row.seq
-        k = min(self.request_k(seq, method), self.k_cap)
+        k = min(self.limits.request_k(seq, method), self.limits.k_cap)
         return max(0, min(k, seq.request.max_tokens - len(seq.generated) - 1))
 
     # ---- verification -----------------------------------------------------------------

@@ -7,6 +7,8 @@ Each step is one of:
   * plain: one target forward over [last] (k = 0). Consecutive plain steps are
     pipelined like `mlx_lm.generate_step`: the next forward is queued before the
     current token is read, so gated-off speculation costs nothing.
+Which of these a step is, and how far it drafts, is `single_stream_policy`'s call
+within the request's `draft_limits`; this module runs the step and keeps the cache.
 
 Invariant after every step: the target cache holds exactly the committed tokens
 except the newest one (`last`), which is the input of the next forward -- or, when
@@ -24,7 +26,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs, pad_vocab
-from engines.draft_confidence import ConfidenceCalibration, DraftStop
+from engines.draft_confidence import ConfidenceCalibration
+from engines.draft_limits import DraftLimits
 from engines.drafters import (
     DRAFT,
     PLD,
@@ -33,9 +36,9 @@ from engines.drafters import (
     DraftState,
     PromptLookupDrafter,
 )
-from engines.gates import TRUSTED_ACCEPTANCE, MethodGate, prompt_repetition_score, speedup
+from engines.gates import MethodGate
 from engines.logprobs import token_logprob, token_logprobs
-from engines.measured_costs import PLAIN, CostModel, Measured, OnlineCosts, RealizedRates
+from engines.measured_costs import PLAIN, CostModel, OnlineCosts, RealizedRates
 from engines.mtp import MTPStepModel, TargetParts
 from engines.mtp_drafter import MTPDrafter, MTPState
 from engines.registry import ModelRegistry
@@ -50,12 +53,11 @@ from engines.rollback import (
 )
 from engines.sampling import coupled_tokens, filter_logprobs, sample_token
 from engines.sequence import FinishReason, Sequence, StepOutput
+from engines.single_stream_policy import SingleStreamPolicy
 from engines.spec_state import SequenceState, SpecConfig
 from engines.telemetry import SpecStats
 
 log = logging.getLogger(__name__)
-
-TRUSTED_SAMPLE = 32  # drafts before the draft model's acceptance is trusted
 
 
 @dataclass
@@ -92,16 +94,19 @@ class SpeculativeEngine:
         self.registry = registry
         self.model = registry.model_for(self.name)
         self.config = config
-        self.k_cap = max(config.num_draft_tokens, config.max_draft_tokens)
-        self.pld_cap = max(self.k_cap, config.pld_max_draft_tokens) if self.k_cap else 0
+        self.totals = SpecStats()  # lifetime counters for /metrics
+        has_drafter = registry.draft is not None or registry.mtp is not None
+        self.limits = DraftLimits(config, has_drafter, self.totals)
         draft_model = registry.draft.model if registry.draft else None
         # The model's own MTP head drafts when there is no draft model (one model
         # drafter at a time); it needs the target's hidden states, so forwards split.
         self.target_parts = TargetParts(registry.target.model) if registry.mtp else None
         if draft_model is None and registry.mtp is not None:
             draft_model = MTPStepModel(registry.mtp, self.target_parts)
-        measured = cost or CostModel.measure(registry.target.model, draft_model, self.k_cap + 1)
-        measured = measured.extended(self.pld_cap + 1)  # then learned as verifies are served
+        measured = cost or CostModel.measure(
+            registry.target.model, draft_model, self.limits.k_cap + 1
+        )
+        measured = measured.extended(self.limits.pld_cap + 1)  # then learned as verifies are served
         # A cost model given explicitly (tests) stays fixed, so gating is repeatable.
         self.costs = OnlineCosts(measured, learn=cost is None)
         # What drafting with the draft model really gives against plain steps; off with
@@ -119,9 +124,11 @@ class SpeculativeEngine:
             )
         elif registry.mtp is not None:
             self.drafter = MTPDrafter(registry.mtp, self.target_parts, self.vocab_size)
-        self.totals = SpecStats()  # lifetime counters for /metrics
         # how often the draft model is right, by how sure it was (the pair's property)
         self.confidence = ConfidenceCalibration()
+        self.policy = SingleStreamPolicy(
+            self.limits, self.costs, self.realized, self.drafter, self.confidence
+        )
         self.active: _Active | None = None
         self.released: list[SequenceState] = []  # finished sequences' caches, for reuse
         self.checkpoint_prompts = False  # keep prompt checkpoints (there is a prefix cache)
@@ -136,7 +143,7 @@ class SpeculativeEngine:
         return (
             f"methods={'+'.join(methods) or 'none'} k={self.config.num_draft_tokens} "
             + (f"({self.drafter.method}: stops when unsure) " if self.drafter else "")
-            + (f"(prompt lookup up to {self.pld_cap}) " if self.config.enable_pld else "")
+            + (f"(prompt lookup up to {self.limits.pld_cap}) " if self.config.enable_pld else "")
             + f"verify cost vs plain step for 1..k+1 tokens=[{costs}]"
             + (f" draft step={cost.draft_step:.2f}" if self.drafter else "")
         )
@@ -168,7 +175,7 @@ class SpeculativeEngine:
         active.mtp = state.mtp or MTPState()
         if active.processors:
             active.history = mx.array(active.tokens[: state.cached], dtype=mx.int32)
-        active.gates = state.gates if state.gates is not None else self.initial_gates(seq)
+        active.gates = state.gates if state.gates is not None else self.limits.initial_gates(seq)
         self.active = active
 
     admit = resume
@@ -205,38 +212,6 @@ class SpeculativeEngine:
         self._release()
         return True
 
-    def initial_gates(self, seq: Sequence) -> dict[str, MethodGate]:
-        overrides = seq.request.speculation
-        gates = {}
-        if self.request_k(seq) == 0:
-            return gates
-        pld_on = self.config.enable_pld if overrides.enable_pld is None else overrides.enable_pld
-        if pld_on:
-            gate = MethodGate(PLD, alpha=0.5)
-            score = prompt_repetition_score(seq.request.prompt_tokens)
-            if score < self.config.prompt_gate_threshold:
-                gate.close()
-                seq.spec.trip("prompt")
-                self.totals.trip("prompt")
-            gates[PLD] = gate
-        draft_on = overrides.enable_draft is not False
-        if self.drafter is not None and draft_on:
-            gates[DRAFT] = MethodGate(DRAFT, alpha=0.6)
-        return gates
-
-    def request_k(self, seq: Sequence, method: str = DRAFT) -> int:
-        """The longest draft `method` may propose for this request: the request's own
-        num_draft_tokens if it set one; else the server's for the draft model, and
-        lookup's own cap for prompt lookup, whose drafts cost nothing to make (a long
-        copy of the prompt pays with long drafts; the gate still picks k by what
-        verifies cost)."""
-        k = seq.request.speculation.num_draft_tokens
-        if k is not None:
-            return max(0, min(k, self.k_cap))
-        if method == PLD and self.config.num_draft_tokens > 0:
-            return self.pld_cap
-        return self.config.num_draft_tokens
-
     # ---- the step ---------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
@@ -248,7 +223,7 @@ class SpeculativeEngine:
             return []
         started = time.perf_counter()
         if active.in_flight is None:
-            draft = self._propose(active)
+            draft = self.policy.propose(active, self._drafter_state(active))
             if draft is not None:
                 proposed = time.perf_counter()
                 # Only steady proposals: a catch-up prefill of the draft (new request,
@@ -383,91 +358,7 @@ class SpeculativeEngine:
     def _next_step_is_plain(self, active: _Active) -> bool:
         return active.forced_plain > 0 or not any(gate.due for gate in active.gates.values())
 
-    def _measured(self, method: str, active: _Active | None = None) -> Measured | None:
-        """What drafting with `method` gave as served: the draft model's over the server
-        (a property of the model pair), prompt lookup's over this request alone (it
-        pays or not by the request's content, which the server's average hides)."""
-        if self.realized is None:
-            return None
-        if method == DRAFT:
-            return self.realized.measured(method)
-        gate = active.gates.get(method) if active is not None else None
-        return gate.measured_against(self.realized.rate(PLAIN)) if gate is not None else None
-
     # ---- drafting and verification ---------------------------------------------
-
-    def _propose(self, active: _Active) -> Draft | None:
-        seq = active.seq
-        left = seq.request.max_tokens - len(seq.generated) - 1
-        k_max = min(self.request_k(seq), left)
-        pld_k_max = min(self.request_k(seq, PLD), left)
-        if max(k_max, pld_k_max) <= 0 or not active.gates or active.forced_plain > 0:
-            return None
-        gate = active.gates.get(DRAFT)
-        if gate is not None and gate.open and self.realized and self.realized.plain_probe_due():
-            active.forced_plain = 4  # an A/B probe: plain steps to compare drafting with
-            return None
-        pld_draft = self._propose_pld(active, pld_k_max) if PLD in active.gates else None
-        measured, trusted = self._measured(DRAFT), self._trusted_draft()
-        k = gate.draft_length(k_max, self.cost, measured, trusted=trusted) if gate else 0
-        if k == 0 or (pld_draft is not None and self._prefer_pld(active, pld_draft, k)):
-            return pld_draft
-        # the gates said the draft model pays; its confidence says how far, up to k_max
-        stop = DraftStop(self.cost, self.confidence)
-        draft = self.drafter.propose(
-            self._drafter_state(active),
-            active.tokens,
-            k_max,
-            seq.request.sampling,
-            seq.rng,
-            active.processors,
-            position=len(seq.generated),
-            stop=stop,
-        )
-        if draft is None:  # the MTP head has not seen the newest token (a restart)
-            return pld_draft
-        active.predicted = stop.predicted(len(draft.tokens))
-        return draft
-
-    def _trusted_draft(self) -> bool:
-        """The draft model's first token was accepted in at least half of its drafts
-        over the server's life (once it drafted `TRUSTED_SAMPLE` times): it drafts until
-        drafting is measured slower, whatever a request's latest rejections say."""
-        if self.drafter is None:
-            return False
-        stats = self.totals.by_method.get(self.drafter.method)
-        if stats is None or stats.drafts < TRUSTED_SAMPLE:
-            return False
-        return stats.first_accepted >= TRUSTED_ACCEPTANCE * stats.drafts
-
-    def _prefer_pld(self, active: _Active, pld_draft: Draft, draft_k: int) -> bool:
-        """With both drafters ready, draft with the one expected to pay more this step:
-        a long lookup match, or PLD's measured acceptance making it the better deal."""
-        if pld_draft.match_length >= self.config.pld_preferred_match:
-            pld_gate, draft_gate = active.gates[PLD], active.gates[DRAFT]
-            acceptance = pld_gate.acceptance(pld_draft.match_length)
-            pld_gain = speedup(acceptance, len(pld_draft.tokens), self.cost, PLD)
-            draft_gain = speedup(draft_gate.acceptance(), draft_k, self.cost, DRAFT)
-            return pld_gain >= draft_gain
-        return False
-
-    def _propose_pld(self, active: _Active, k_max: int) -> Draft | None:
-        """The lookup's proposal, cut to the length its match length's acceptance makes
-        worth verifying (None: not due, nothing found, or not worth it this step)."""
-        gate = active.gates[PLD]
-        if not gate.due:
-            return None
-        draft = active.pld.propose(active.tokens, k_max)
-        if not gate.open and (draft is None or draft.match_length < self.config.pld_probe_match):
-            gate.postpone()  # a probe needs real evidence of repetition
-            return None
-        if draft is None:
-            return None
-        k = gate.draft_length(k_max, self.cost, self._measured(PLD, active), draft.match_length)
-        if k == 0:
-            return None
-        draft.tokens = draft.tokens[:k]
-        return draft
 
     def _verify(self, active: _Active, draft: Draft) -> list[StepOutput]:
         seq = active.seq
@@ -498,7 +389,7 @@ class SpeculativeEngine:
         active.cached += 1 + accepted
         if active.processors:
             active.history = mx.concat([active.history, mx.array(fed[: 1 + accepted])])
-        self._record(active, draft, accepted)
+        self.policy.record(active, draft, accepted)
         committed = [*draft.tokens[:accepted], next_token]
         text = []
         for token in committed:
@@ -538,20 +429,6 @@ class SpeculativeEngine:
             p[None], q[None], drafts[None], key=active.seq.rng.next_key()
         )
         return int(accepted.item()), int(next_token.item())
-
-    def _record(self, active: _Active, draft: Draft, accepted: int) -> None:
-        k = len(draft.tokens)
-        if draft.confidences:
-            self.confidence.observe(draft.confidences, accepted)
-        active.seq.spec.record(draft.method, k, accepted)
-        self.totals.record(draft.method, k, accepted)
-        gate = active.gates[draft.gate]
-        measured = self._measured(draft.gate, active)
-        k_max = self.request_k(active.seq, draft.gate)
-        trusted = draft.gate == DRAFT and self._trusted_draft()
-        if gate.record(k, accepted, k_max, self.cost, measured, draft.match_length, trusted):
-            active.seq.spec.trip("runtime")
-            self.totals.trip("runtime")
 
     def _finish_step(self, output: StepOutput) -> list[StepOutput]:
         seq = self.active.seq

@@ -475,9 +475,9 @@ def test_a_draft_pair_is_trusted_once_its_first_token_is_accepted_in_half_its_dr
 ):
     registry = ModelRegistry.load(str(tiny_model_dir), str(tiny_model_dir))
     engine = SpeculativeEngine(registry, SpecConfig(), cost=PESSIMISTIC)
-    assert not engine._trusted_draft()
+    assert not engine.policy.trusted_draft()
     for i in range(32):  # 16 of 32 drafts had their first token accepted
         engine.totals.record(DRAFT, 4, 2 if i % 2 else 0)
-    assert engine._trusted_draft()
+    assert engine.policy.trusted_draft()
     engine.totals.record(DRAFT, 4, 0)
-    assert not engine._trusted_draft()
+    assert not engine.policy.trusted_draft()

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from engines.errors import ServerNotReady, TandemError
 from engines.request import GenerationRequest
 from scheduler import RequestStream, Scheduler, TokenEvent
+from server import json_body as strict_json
 from server.auth import caller_key_id
 from server.config import ServerConfig
 from server.errors import ApiError, bad_request
@@ -54,18 +55,23 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
 def decode_body(raw: bytes, model: type[Body]) -> Body:
     """`raw` JSON validated as `model`, or a 400 that names the first bad field."""
     try:
-        data = json.loads(raw)
-        # JSON may escape lone UTF-16 surrogates ("\ud800") that are no text at all.
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
+        data = strict_json.loads(raw)
+        # JSON may escape lone UTF-16 surrogates ("\ud800") that are no text at all, and
+        # a number such as 1e999 reads as infinity: neither could be written back out.
+        json.dumps(data, ensure_ascii=False, allow_nan=False).encode("utf-8")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from exc
     except UnicodeEncodeError as exc:
         raise bad_request(f"request body has invalid Unicode (a lone surrogate): {exc}") from exc
     except RecursionError as exc:
         raise bad_request("request body is nested too deeply") from exc
-    except ValueError as exc:  # e.g. an integer past Python's 4300-digit parsing limit
+    except strict_json.NotAJSONNumber as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from exc
+    except ValueError as exc:  # an integer past Python's 4300-digit parsing limit, 1e999
         reason = str(exc).split(";")[0]  # not the advice to call sys.set_int_max_str_digits
         raise bad_request(f"request body has a value that cannot be parsed: {reason}") from exc
+    if strict_json.nesting_depth(raw) > strict_json.MAX_NESTING:
+        raise bad_request(f"request body nests deeper than {strict_json.MAX_NESTING} levels")
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
     try:

@@ -21,6 +21,7 @@ from typing import Any
 
 from mlx_lm.generate import TextStateMachine
 
+from server import json_body as strict_json
 from server.untagged_tool_calls import UntaggedCalls
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,20 @@ class OutputMarkers:
             tool, parser = (module.tool_call_start, module.tool_call_end), module.parse_tool_call
         untagged = not strict_tool_calls and tool_call_parser != "none"
         return cls(think, tool, parser, untagged)
+
+
+def strict_arguments(arguments: Any) -> str:
+    """A parsed call's arguments as JSON text. ValueError where a client could not read
+    them: NaN or Infinity, which a model can write and mlx-lm's parsers let through."""
+    if isinstance(arguments, str):
+        try:
+            strict_json.loads(arguments)
+        except strict_json.NotAJSONNumber:
+            raise
+        except (ValueError, RecursionError):
+            pass  # not JSON at all: passed on as the parser gave it
+        return arguments
+    return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
 
 
 @dataclass
@@ -180,9 +195,14 @@ class OutputParser:
             log.warning("could not parse a tool call (%s); returning it as text", exc)
             delta.content += text
             return
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            arguments = call.get("arguments", {})
-            if not isinstance(arguments, str):
-                arguments = json.dumps(arguments, ensure_ascii=False)
-            delta.tool_calls.append(ToolCall(str(call.get("name", "")), arguments))
-            self.tool_calls_emitted += 1
+        try:
+            calls = [
+                ToolCall(str(call.get("name", "")), strict_arguments(call.get("arguments", {})))
+                for call in (parsed if isinstance(parsed, list) else [parsed])
+            ]
+        except ValueError as exc:
+            log.warning("a tool call's arguments are not JSON (%s); returning it as text", exc)
+            delta.content += text
+            return
+        delta.tool_calls.extend(calls)
+        self.tool_calls_emitted += len(calls)

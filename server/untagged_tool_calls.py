@@ -18,13 +18,13 @@ formats are parsed first (by `OutputParser`); this only sees the plain-text part
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from typing import Any
 
 import jsonschema_rs
 
+from server import json_body as strict_json
 from server.json_prefix import KEY_DONE, VALUE_BEGUN, WHITESPACE, JsonPrefix, Landmark
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class UntaggedCalls:
     def _calls(self, text: str) -> list[Call] | None:
         """The calls a finished JSON text makes; None unless all of it is calls."""
         try:
-            value = json.loads(text)
+            value = strict_json.loads(text)  # NaN in arguments: no client could read it
         except (ValueError, RecursionError):
             return None
         items = value if isinstance(value, list) else [value]

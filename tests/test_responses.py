@@ -452,9 +452,11 @@ async def test_failure_mid_generation(forced):
             await client.responses.create(model=MODEL_NAME, **request)
         events = await stream_events(client, **request)
     types = [e.type for e in events]
-    assert types[0] == "response.created" and types[-1] == "error"
+    assert types[0] == "response.created" and types[-2:] == ["error", "response.failed"]
     assert "response.completed" not in types
-    assert "injected fault" in events[-1].message
+    assert "injected fault" in events[-2].message
+    failed = events[-1].response
+    assert failed.status == "failed" and "injected fault" in failed.error.message
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 

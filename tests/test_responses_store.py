@@ -14,6 +14,7 @@ import pytest
 
 from server.app import create_app
 from server.config import ServerConfig
+from server.responses.store import ResponseStore, StoredResponse
 from tests.conftest import MODEL_NAME, make_client
 
 MB = 1 << 20
@@ -181,3 +182,28 @@ async def test_another_key_cannot_see_continue_or_delete_a_response(scheduler):
         )
         assert continued.status_code == 200, continued.text
         assert (await http.delete(f"/v1/responses/{rid}", headers=mine)).status_code == 200
+
+
+def test_the_scope_holding_the_most_gives_up_its_oldest_entry():
+    """Fair-share eviction: a key that fills the store evicts its own oldest responses,
+    not another key's; by bytes, the scope holding the most bytes pays; one scope alone
+    is a plain LRU; the entry just stored is never the one evicted."""
+    entry = StoredResponse(b"[]", b"{}")
+    store = ResponseStore(capacity=4)
+    store.put("a", "a1", entry)
+    for i in range(6):
+        store.put("b", f"b{i}", entry)
+    assert store.get("a", "a1") is not None
+    assert [store.get("b", f"b{i}") is not None for i in range(6)] == [False] * 3 + [True] * 3
+    alone = ResponseStore(capacity=2)
+    for i in range(3):
+        alone.put("a", f"a{i}", entry)
+    assert [alone.get("a", f"a{i}") is not None for i in range(3)] == [False, True, True]
+    big = StoredResponse(b"[]", b"{" + b" " * 98 + b"}")  # 102 bytes
+    by_bytes = ResponseStore(capacity=10, max_bytes=250)
+    by_bytes.put("a", "small", entry)
+    by_bytes.put("b", "big1", big)
+    by_bytes.put("b", "big2", big)  # 208 bytes held: a fits beside b's two
+    by_bytes.put("a", "big", big)  # 310: b holds the most bytes and gives up big1
+    assert by_bytes.get("b", "big1") is None
+    assert all(by_bytes.get(*key) for key in (("a", "small"), ("b", "big2"), ("a", "big")))

@@ -404,7 +404,7 @@ def message_json(job: MessageJob, parser: OutputParser, events: list[TokenEvent]
 
 def sse_event(payload: dict) -> str:
     """Anthropic names every event: `event: <type>` before its data line."""
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    data = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     return f"event: {payload['type']}\ndata: {data}\n\n"
 
 

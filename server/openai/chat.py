@@ -59,6 +59,11 @@ class ChatJob:
 
 def tool_call_arguments(call: dict, index: int) -> dict:
     function = call.get("function") or {}
+    if not isinstance(function, dict):
+        raise bad_request(
+            "a tool call's function must be an object with a name and arguments",
+            f"messages[{index}].tool_calls",
+        )
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
         try:

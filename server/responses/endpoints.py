@@ -323,7 +323,7 @@ def remember(store: ResponseStore, job: ResponsesJob, items: list[dict], result:
 
 def sse_event(payload: dict) -> str:
     """Responses streams name each event: `event: <type>` then its JSON."""
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    data = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     return f"event: {payload['type']}\ndata: {data}\n\n"
 
 
@@ -383,7 +383,8 @@ async def response_events(
 ) -> AsyncIterator[str]:
     """The SSE stream: created, in_progress, the items' events, then completed or
     incomplete (stored before it is sent, so a follow-up can name it at once); a
-    failure mid-stream ends with an `error` event."""
+    failure mid-stream sends an `error` event, then ends with `response.failed` (the
+    response so far, status failed, its error filled in), as OpenAI's streams do."""
     numbers = count()
     start = response_object(job, "in_progress", [], None)
     opening = [
@@ -403,7 +404,13 @@ async def response_events(
     except (RequestFailed, RequestAborted) as exc:
         error = from_tandem_error(exc)
         failure = {"type": "error", "code": error.code or error.type, "message": error.message}
-        for line in framed([{**failure, "param": error.param}], numbers):
+        failed = response_object(job, "failed", assembler.items, None)
+        failed["error"] = {"code": "server_error", "message": error.message}
+        closing = [
+            {**failure, "param": error.param},
+            {"type": "response.failed", "response": failed},
+        ]
+        for line in framed(closing, numbers):
             yield line
 
 

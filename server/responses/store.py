@@ -19,7 +19,9 @@ DEFAULT_STORE_BYTES = 32 << 20
 
 
 def compact_json(value: object) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(
+        "utf-8"
+    )
 
 
 @dataclass(frozen=True)
@@ -40,10 +42,12 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Recent responses by (scope, id): an LRU of at most `capacity` entries and
-    `max_bytes` bytes, so memory stays bounded however many (and however large)
-    responses a server answers. An entry larger than `max_bytes` is not kept. Requests
-    read it while their prompt is built in a worker thread, hence the lock."""
+    """Recent responses by (scope, id): at most `capacity` entries and `max_bytes`
+    bytes, so memory stays bounded however many (and however large) responses a server
+    answers. An entry larger than `max_bytes` is not kept. When full, the scope holding
+    the most gives up its least recently used entry: one key that fills the store
+    evicts its own responses, not another key's (with one scope this is a plain LRU).
+    Requests read it while their prompt is built in a worker thread, hence the lock."""
 
     def __init__(
         self, capacity: int = DEFAULT_STORE_SIZE, max_bytes: int = DEFAULT_STORE_BYTES
@@ -73,12 +77,24 @@ class ResponseStore:
             self._entries[(scope, response_id)] = entry
             self.bytes += entry.size
             while len(self._entries) > self.capacity or self.bytes > self.max_bytes:
-                self._pop(next(iter(self._entries)))
+                self._pop(self._victim(keep=(scope, response_id)))
             return True
 
     def delete(self, scope: str, response_id: str) -> bool:
         with self._lock:
             return self._pop((scope, response_id)) is not None
+
+    def _victim(self, keep: tuple[str, str]) -> tuple[str, str]:
+        """The least recently used entry (never `keep`, the one just stored) of the scope
+        holding the most: entries while over `capacity`, else bytes. Ties go to the
+        scope with the oldest entry."""
+        by_bytes = len(self._entries) <= self.capacity
+        held: dict[str, int] = {}  # in LRU order of each scope's oldest entry
+        for key, entry in self._entries.items():
+            if key != keep:
+                held[key[0]] = held.get(key[0], 0) + (entry.size if by_bytes else 1)
+        scope = max(held, key=held.__getitem__)
+        return next(key for key in self._entries if key[0] == scope and key != keep)
 
     def _pop(self, key: tuple[str, str]) -> StoredResponse | None:
         entry = self._entries.pop(key, None)

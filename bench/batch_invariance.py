@@ -11,8 +11,9 @@ own rounding. This prints, per dtype, the largest logit difference between the t
 `--positions` positions after a `--prefix`-token prompt, and at how many positions the
 greedy token differs.
 
-MODEL is a path or hub id; without one, two random Llamas are built offline (hidden 64
-with 2 layers, hidden 768 with 6). Random tokens are fed; the logits, not the text, count.
+MODEL is a path, a hub id or a bench model name (`qwen2.5-coder-0.5b`, ...); without
+one, two random Llamas are built offline (hidden 64 with 2 layers, hidden 768 with 6).
+Random tokens are fed; the logits, not the text, count.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def main(argv: list[str]) -> None:
     from engines.precision import float32_matmuls, keep_float32_exact
 
     parser = argparse.ArgumentParser(prog="tandem bench invariance", description=__doc__)
-    parser.add_argument("model", nargs="?", help="path or hub id (default: random Llamas)")
+    parser.add_argument("model", nargs="?", help="path, hub id or bench model (default: random)")
     parser.add_argument("--dtypes", default="float32,float16,bfloat16")
     parser.add_argument("--prefix", type=int, default=32)
     parser.add_argument("--positions", type=int, default=8)
@@ -112,7 +113,9 @@ def main(argv: list[str]) -> None:
     if args.model:
         from mlx_lm import load
 
-        models = {args.model: load(args.model)[0]}
+        from bench.models import resolve_model
+
+        models = {args.model: load(resolve_model(args.model))[0]}
     else:
         models = random_models()
     print(

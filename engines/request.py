@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.errors import InvalidRequest
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -87,3 +89,16 @@ def at_checkpoint(request: GenerationRequest, cached: int, end: int) -> bool:
     """Whether a cache holding `cached` tokens is one to keep: at the prompt's end or at
     one of its checkpoints."""
     return cached == end or cached in request.checkpoints
+
+
+def check_token_ids(request: GenerationRequest, limit: int) -> None:
+    """Every prompt id and logit-bias id in [0, limit). MLX does not bounds-check an
+    index: a larger or negative id would read the embedding (and a penalty or bias
+    write the logits) out of bounds and corrupt the process, not fail the request."""
+    ids = [*request.prompt_tokens, *(token for token, _ in request.sampling.logit_bias)]
+    low, high = min(ids), max(ids)
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        raise InvalidRequest(
+            f"token id {bad} is outside this model's vocabulary (0 to {limit - 1})"
+        )

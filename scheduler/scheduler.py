@@ -28,7 +28,7 @@ from engines.errors import ContextTooLong, InvalidRequest, QueueFull, ServerNotR
 from engines.prefix_cache import ASSISTANT, SYSTEM, USER, PrefixCache
 from engines.prompt_scoring import PromptScorer
 from engines.registry import ModelRegistry
-from engines.request import GenerationRequest
+from engines.request import GenerationRequest, check_token_ids
 from engines.sequence import FinishReason, StepOutput, make_sequence
 from engines.spec_state import SequenceState, SpecConfig
 from engines.speculative import SpeculativeEngine
@@ -171,6 +171,8 @@ class Scheduler:
         info = self.model_info
         if not request.prompt_tokens:
             raise InvalidRequest("the prompt is empty")
+        if info is not None:
+            check_token_ids(request, info.token_ids)
         if request.max_tokens < (0 if request.prompt_logprobs is not None else 1):
             raise InvalidRequest("max_tokens must be at least 1 (0 only to score the prompt)")
         context = info.context_length if info else None

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engines.errors import ContextTooLong, QueueFull
+from engines.errors import ContextTooLong, InvalidRequest, QueueFull
 from engines.request import GenerationRequest, SamplingParams
 from engines.sequence import FinishReason
 from tests.conftest import start_scheduler
@@ -57,6 +57,20 @@ async def test_queue_bound_refuses_excess_requests(tiny_model_dir, reference):
 def test_context_overflow_is_refused_at_submit(scheduler):
     with pytest.raises(ContextTooLong):
         scheduler.submit(request("x", [5] * 2000, 100))
+
+
+@pytest.mark.parametrize(
+    "prompt, bias",
+    [([5, 512], ()), ([5, -1], ()), ([5, 10**9], ()), ([5, 6], ((512, 1.0),))],
+    ids=["vocab", "negative", "huge", "bias"],
+)
+def test_token_ids_the_model_has_no_row_for_are_refused_at_submit(scheduler, prompt, bias):
+    """MLX does not bounds-check an index: such an id read and wrote out of bounds (the
+    process died with `free(): invalid size`), whichever surface or tokenizer sent it."""
+    assert scheduler.model_info.token_ids == 512
+    sampling = SamplingParams(temperature=0.0, logit_bias=bias)
+    with pytest.raises(InvalidRequest, match="outside this model's vocabulary"):
+        scheduler.submit(GenerationRequest("x", tuple(prompt), 4, sampling))
 
 
 def broken(message: str):

@@ -36,10 +36,14 @@ async def streamed_chat(http, **request) -> tuple[str, list, str | None]:
     return content, parts, finish
 
 
-def forced_scheduler(model_dir, tokenizer, scripts: dict[str, str]):
-    """For a module fixture (`yield from`): a scheduler whose model writes `scripts`."""
+def forced_scheduler(
+    model_dir, tokenizer, scripts: dict[str, str], fault_marker: str | None = None
+):
+    """For a module fixture (`yield from`): a scheduler whose model writes `scripts`
+    (and whose engine fails a request whose prompt holds `fault_marker`)."""
+    forcing = forcing_factory(tokenizer, scripts)
     scheduler = start_scheduler(
-        model_dir, logits_processor_factory=forcing_factory(tokenizer, scripts)
+        model_dir, logits_processor_factory=forcing, fault_marker=fault_marker
     )
     yield scheduler
     scheduler.stop()

@@ -23,8 +23,9 @@ from server.anthropic.schemas import MessagesPrompt
 from server.app import create_app
 from server.config import ServerConfig
 from server.output_parser import ParsedDelta, ToolCall
-from tests.conftest import MODEL_NAME, make_client, start_scheduler
-from tests.forcing import SCRIPTS, forcing_factory, tool_round_trip_messages
+from tests.clients import forced_scheduler
+from tests.conftest import MODEL_NAME, make_client
+from tests.forcing import SCRIPTS, tool_round_trip_messages
 
 BASE_URL = "http://tandem.test"
 GREEDY = {"temperature": 0}
@@ -56,13 +57,7 @@ TEMPLATE_TOOLS = [
 
 @pytest.fixture(scope="module")
 def forced(tiny_model_dir, reference):
-    scheduler = start_scheduler(
-        tiny_model_dir,
-        logits_processor_factory=forcing_factory(reference.tokenizer, SCRIPTS),
-        fault_marker=FAULT,
-    )
-    yield scheduler
-    scheduler.stop()
+    yield from forced_scheduler(tiny_model_dir, reference.tokenizer, SCRIPTS, FAULT)
 
 
 def sdk_http(scheduler: Scheduler, **config_overrides) -> httpx2.AsyncClient:

@@ -15,8 +15,8 @@ import pytest
 from server.app import create_app
 from server.config import ServerConfig
 from server.responses.store import ResponseStore
-from tests.conftest import MODEL_NAME, start_scheduler
-from tests.forcing import forcing_factory
+from tests.clients import forced_scheduler
+from tests.conftest import MODEL_NAME
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -57,13 +57,7 @@ async def http(scheduler):
 
 @pytest.fixture(scope="module")
 def forced(tiny_model_dir, reference):
-    scheduler = start_scheduler(
-        tiny_model_dir,
-        logits_processor_factory=forcing_factory(reference.tokenizer, SCRIPTS),
-        fault_marker=FAULT,
-    )
-    yield scheduler
-    scheduler.stop()
+    yield from forced_scheduler(tiny_model_dir, reference.tokenizer, SCRIPTS, FAULT)
 
 
 def strict_json(text: str) -> object:

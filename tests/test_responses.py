@@ -21,8 +21,9 @@ from server.responses.endpoints import (
     StoredResponse,
     normalize_input,
 )
-from tests.conftest import MODEL_NAME, make_client, start_scheduler
-from tests.forcing import SCRIPTS, TOOL_CALL, forcing_factory, tool_round_trip_messages
+from tests.clients import forced_scheduler
+from tests.conftest import MODEL_NAME, make_client
+from tests.forcing import SCRIPTS, TOOL_CALL, tool_round_trip_messages
 
 TOOLS = [
     {
@@ -49,13 +50,7 @@ CODE = "def add(a, b):\n    return a + b\n" * 3
 
 @pytest.fixture(scope="module")
 def forced(tiny_model_dir, reference):
-    scheduler = start_scheduler(
-        tiny_model_dir,
-        logits_processor_factory=forcing_factory(reference.tokenizer, SCRIPTS),
-        fault_marker=FAULT,
-    )
-    yield scheduler
-    scheduler.stop()
+    yield from forced_scheduler(tiny_model_dir, reference.tokenizer, SCRIPTS, FAULT)
 
 
 def sdk(http_client: httpx.AsyncClient) -> openai.AsyncOpenAI:

@@ -96,7 +96,7 @@ def random_models() -> dict:
 
 def main(argv: list[str]) -> None:
     from engines.blas import describe_blas
-    from engines.precision import float32_matmuls, keep_float32_exact
+    from engines.precision import float32_matmuls  # `tandem` turned TF32 off, as it serves
 
     parser = argparse.ArgumentParser(prog="tandem bench invariance", description=__doc__)
     parser.add_argument("model", nargs="?", help="path, hub id or bench model (default: random)")
@@ -109,7 +109,6 @@ def main(argv: list[str]) -> None:
     if not set(dtypes) <= set(DTYPES):
         parser.error(f"--dtypes: choose from {', '.join(DTYPES)}")
 
-    keep_float32_exact()  # as `tandem serve` computes
     if args.model:
         from mlx_lm import load
 

@@ -48,9 +48,9 @@ class ModelInfo:
     context_length: int | None
     has_draft: bool
     grammar: GrammarCompiler  # JSON schemas -> constraints for this tokenizer
-    # ids a prompt may hold: the model's embedding rows, fewer if the tokenizer has fewer
-    # (MLX does not bounds-check an index: a larger id reads and writes out of bounds)
-    token_ids: int
+    # token ids a request may hold: the model's embedding rows, fewer if the tokenizer has
+    # fewer (MLX does not bounds-check an index: a larger id reads and writes out of bounds)
+    vocab_size: int
     # caches that cannot be cut back to any prefix: chats keep one at their system prompt
     prompt_checkpoints: bool = False
 
@@ -120,7 +120,7 @@ def load_model(config: SchedulerConfig) -> Loaded:
         context_length=registry.target.context_length,
         has_draft=registry.draft is not None or registry.mtp is not None,
         grammar=GrammarCompiler(registry.tokenizer),
-        token_ids=min(len(registry.tokenizer), registry.target.vocab_size),
+        vocab_size=min(len(registry.tokenizer), registry.target.vocab_size),
         prompt_checkpoints=not cuts_back_anywhere(target),
     )
     info.grammar.warm_in_background()

@@ -172,7 +172,7 @@ class Scheduler:
         if not request.prompt_tokens:
             raise InvalidRequest("the prompt is empty")
         if info is not None:
-            check_token_ids(request, info.token_ids)
+            check_token_ids(request, info.vocab_size)
         if request.max_tokens < (0 if request.prompt_logprobs is not None else 1):
             raise InvalidRequest("max_tokens must be at least 1 (0 only to score the prompt)")
         context = info.context_length if info else None

@@ -22,22 +22,23 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def check_token_ids(tokenizer: Any, ids: list[int], param: str) -> list[int]:
-    vocab = len(tokenizer)
-    bad = [i for i in ids if i >= vocab]
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
+    """`ids` below `ModelInfo.vocab_size`, which the scheduler enforces for every prompt:
+    refused here first so that the error names the field."""
+    bad = [i for i in ids if i >= vocab_size]
     if bad:
-        raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {vocab})", param)
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", param)
     return ids
 
 
-def completion_prompt_ids(tokenizer: Any, prompt: str | list) -> list[int]:
+def completion_prompt_ids(tokenizer: Any, prompt: str | list, vocab_size: int) -> list[int]:
     """A single prompt as ids; batches of prompts are refused (one choice per request)."""
     if isinstance(prompt, str):
         return encode_text(tokenizer, prompt)
     if prompt and all(isinstance(p, int) for p in prompt):
-        return check_token_ids(tokenizer, list(prompt), "prompt")
+        return check_token_ids(list(prompt), vocab_size, "prompt")
     if len(prompt) == 1:
-        return completion_prompt_ids(tokenizer, prompt[0])
+        return completion_prompt_ids(tokenizer, prompt[0], vocab_size)
     raise bad_request("exactly one prompt per request is supported", "prompt")
 
 

@@ -67,7 +67,7 @@ def test_context_overflow_is_refused_at_submit(scheduler):
 def test_token_ids_the_model_has_no_row_for_are_refused_at_submit(scheduler, prompt, bias):
     """MLX does not bounds-check an index: such an id read and wrote out of bounds (the
     process died with `free(): invalid size`), whichever surface or tokenizer sent it."""
-    assert scheduler.model_info.token_ids == 512
+    assert scheduler.model_info.vocab_size == 512
     sampling = SamplingParams(temperature=0.0, logit_bias=bias)
     with pytest.raises(InvalidRequest, match="outside this model's vocabulary"):
         scheduler.submit(GenerationRequest("x", tuple(prompt), 4, sampling))

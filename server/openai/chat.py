@@ -124,7 +124,7 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
         body,
         rendered.ids,
         max_tokens,
-        len(info.tokenizer),
+        info.vocab_size,
         "chat",
         logprobs=logprobs,
     )

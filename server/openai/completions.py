@@ -58,27 +58,27 @@ class CompletionJob:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def prompt_ids_for(tokenizer: Any, body: CompletionRequest) -> list[int]:
+def prompt_ids_for(tokenizer: Any, body: CompletionRequest, vocab_size: int) -> list[int]:
     if body.suffix:
         if not isinstance(body.prompt, str):
             raise bad_request("suffix needs a text prompt", "prompt")
         return fim_prompt_ids(tokenizer, body.prompt, body.suffix)
-    return completion_prompt_ids(tokenizer, body.prompt)
+    return completion_prompt_ids(tokenizer, body.prompt, vocab_size)
 
 
 def to_job(request: Request, body: CompletionRequest, model: str) -> CompletionJob:
     config = config_of(request)
-    tokenizer = model_info_of(request).tokenizer
-    context = model_info_of(request).context_length
+    info = model_info_of(request)
+    tokenizer, context = info.tokenizer, info.context_length
     refuse_unsupported(body)
-    prompt_ids = prompt_ids_for(tokenizer, body)
+    prompt_ids = prompt_ids_for(tokenizer, body, info.vocab_size)
     max_tokens = effective_max_tokens(body.max_tokens, len(prompt_ids), context, config.max_tokens)
     gen = build_request(
         new_request_id("cmpl"),
         body,
         prompt_ids,
         max_tokens,
-        len(tokenizer),
+        info.vocab_size,
         "completions",
         logprobs=body.logprobs,
     )

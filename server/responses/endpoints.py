@@ -299,7 +299,7 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
         body.max_output_tokens, len(rendered.ids), info.context_length, config.max_tokens
     )
     gen = build_request(
-        new_item_id("resp"), body, rendered.ids, max_tokens, len(info.tokenizer), "responses"
+        new_item_id("resp"), body, rendered.ids, max_tokens, info.vocab_size, "responses"
     )
     constraint = output_constraint(
         schema,

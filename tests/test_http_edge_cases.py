@@ -194,7 +194,15 @@ async def test_responses_stream_that_fails_mid_generation_ends_with_response_fai
     incomplete or failed); on a mid-stream failure it ended with a bare `error` event,
     so clients waiting for the terminal event (the SDK's stream helper, Codex, the Agents
     SDK) see a stream that stops without one."""
-    payload = {"input": f"Tell me more {FAULT}", "max_output_tokens": 30, "stream": True}
+    # greedy and past EOS: the fault fires at the third token, which a sampled answer
+    # ending sooner never reached (the stream then completed)
+    payload = {
+        "input": f"Tell me more {FAULT}",
+        "max_output_tokens": 30,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     async with app_client(forced) as client:
         response = await client.post(RESPONSES, json=payload)
     assert response.status_code == 200

@@ -26,6 +26,7 @@ Rates are committed tokens per unit of plain-step cost (prefill left out alike).
 from __future__ import annotations
 
 import argparse
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,8 @@ from bench.models import resolve_model
 from bench.spec import encode_prompt, load_prompts
 from engines.blas import describe_blas
 from engines.draft_confidence import ConfidenceCalibration, DraftStop
-from engines.measured_costs import CostModel
+from engines.draft_vocab import OwnTokens, bind_own, reduce_draft_vocab
+from engines.measured_costs import CostModel, _pipelined_step_seconds, _warm_cache
 
 MAX_DRAFT = 8
 
@@ -54,19 +56,22 @@ class Position:
 
 def draft_runs(draft, prompt: list[int], output: list[int], k: int) -> list[Position]:
     """Teacher-forced: at each output position, the draft's k greedy tokens from the
-    true prefix (its cache rolled back after each run, then fed the true token)."""
+    true prefix (its cache rolled back after each run, then fed the true token). A
+    draft with a reduced vocabulary scores the tokens of the context so far, as served."""
+    own = OwnTokens()
     cache = make_prompt_cache(draft)
-    logits = draft(mx.array(prompt)[None], cache=cache)[0, -1]
+    logits = bind_own(draft, [own], [prompt])(mx.array(prompt)[None], cache=cache)[0, -1]
     positions = []
     for position in range(len(output)):
         tokens, confidences, step = [], [], logits
+        model = bind_own(draft, [own], [prompt + output[:position]])
         for i in range(k):
             logprobs = step - mx.logsumexp(step)
             token = int(mx.argmax(logprobs).item())
             tokens.append(token)
             confidences.append(float(mx.exp(logprobs[token]).item()))
             if i + 1 < k:
-                step = draft(mx.array([[token]]), cache=cache)[0, -1]
+                step = model(mx.array([[token]]), cache=cache)[0, -1]
         trim_prompt_cache(cache, k - 1)
         accepted = 0
         while accepted < k and position + accepted < len(output):
@@ -74,7 +79,8 @@ def draft_runs(draft, prompt: list[int], output: list[int], k: int) -> list[Posi
                 break
             accepted += 1
         positions.append(Position(confidences, accepted))
-        logits = draft(mx.array([[output[position]]]), cache=cache)[0, -1]
+        model = bind_own(draft, [own], [prompt + output[: position + 1]])
+        logits = model(mx.array([[output[position]]]), cache=cache)[0, -1]
     return positions
 
 
@@ -130,17 +136,8 @@ def fitted_calibration(runs: list[list[Position]]) -> ConfidenceCalibration:
     return calibration
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    target, tokenizer = load(resolve_model(args.model))
-    draft, _ = load(resolve_model(args.draft_model))
-    rows = [row for name in args.sets.split(",") for row in load_prompts(name)[: args.limit]]
-    runs = []
-    for row in rows:
-        prompt = encode_prompt(tokenizer, row)
-        output = greedy_output(target, prompt, args.max_tokens, set())
-        runs.append(draft_runs(draft, prompt, output, MAX_DRAFT))
-    cost = CostModel.measure(target, draft, MAX_DRAFT + 1, rounds=args.rounds)
+def policies(runs: list[list[Position]], cost: CostModel, label: str = "") -> dict[str, float]:
+    """Every policy's rate over plain on `runs` at `cost` (names prefixed by `label`)."""
     rates = {f"fixed k={k}": replay(runs, cost, fixed(k)) for k in range(1, MAX_DRAFT + 1)}
     rates["confidence stop, learned"] = replay(
         runs, cost, confidence_stop(cost, ConfidenceCalibration(), learn=True)
@@ -149,7 +146,45 @@ def main(argv: list[str] | None = None) -> dict:
         runs, cost, confidence_stop(cost, fitted_calibration(runs), learn=False)
     )
     rates["oracle"] = replay(runs, cost, oracle)
+    return {f"{label}{name}": rate for name, rate in rates.items()}
+
+
+def draft_cost_ratio(target, draft, reduced, rounds: int) -> float:
+    """A reduced-vocabulary draft token's cost over the whole draft's, interleaved."""
+    caches = [_warm_cache(m) for m in (target, draft, reduced)]
+    ratios = []
+    for _ in range(rounds):
+        whole = _pipelined_step_seconds(draft, caches[1])
+        mine = _pipelined_step_seconds(reduced, caches[2])
+        whole = (whole + _pipelined_step_seconds(draft, caches[1])) / 2
+        ratios.append(mine / whole)
+    return statistics.median(ratios)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    target, tokenizer = load(resolve_model(args.model))
+    draft, _ = load(resolve_model(args.draft_model))
+    rows = [row for name in args.sets.split(",") for row in load_prompts(name)[: args.limit]]
+    reduced = {
+        rows_kept: reduce_draft_vocab(draft, tokenizer, rows_kept) for rows_kept in args.draft_vocab
+    }
+    runs, reduced_runs = [], {n: [] for n in reduced}
+    for row in rows:
+        prompt = encode_prompt(tokenizer, row)
+        output = greedy_output(target, prompt, args.max_tokens, set())
+        runs.append(draft_runs(draft, prompt, output, MAX_DRAFT))
+        for rows_kept, model in reduced.items():
+            reduced_runs[rows_kept].append(draft_runs(model, prompt, output, MAX_DRAFT))
+    cost = CostModel.measure(target, draft, MAX_DRAFT + 1, rounds=args.rounds)
+    rates = policies(runs, cost)
     best_fixed = max(v for name, v in rates.items() if name.startswith("fixed"))
+    draft_costs = {}
+    for rows_kept, model in reduced.items():
+        ratio = draft_cost_ratio(target, draft, model, args.rounds)
+        draft_costs[rows_kept] = round(ratio, 4)
+        cheaper = CostModel(cost.verify, cost.draft_step * ratio, cost.plain_seconds)
+        rates |= policies(reduced_runs[rows_kept], cheaper, f"vocab {rows_kept}: ")
     results = {
         "model": args.model,
         "draft_model": args.draft_model,
@@ -159,12 +194,22 @@ def main(argv: list[str] | None = None) -> dict:
         "prompts": len(rows),
         "max_tokens": args.max_tokens,
         "cost": cost.as_dict(),
-        "first_token_acceptance": sum(p.accepted > 0 for r in runs for p in r)
-        / sum(len(r) for r in runs),
+        "first_token_acceptance": first_token_acceptance(runs),
+        "draft_vocab": {
+            rows_kept: {
+                "draft_cost_vs_whole": draft_costs[rows_kept],
+                "first_token_acceptance": first_token_acceptance(reduced_runs[rows_kept]),
+            }
+            for rows_kept in reduced
+        },
         "over_plain": {name: round(rate, 4) for name, rate in rates.items()},
         "over_best_fixed": {name: round(rate / best_fixed, 4) for name, rate in rates.items()},
     }
     return publish(results, report(results), args.output)
+
+
+def first_token_acceptance(runs: list[list[Position]]) -> float:
+    return sum(p.accepted > 0 for r in runs for p in r) / sum(len(r) for r in runs)
 
 
 def report(results: dict) -> str:
@@ -177,10 +222,16 @@ def report(results: dict) -> str:
         f"{results['first_token_acceptance']:.0%} of positions",
         f"costs vs a plain step: verify 1..{len(cost['verify'])} tokens "
         f"{cost['verify']}, draft token {cost['draft_step']}",
-        "policy                       over plain  over best fixed k",
     ]
+    for rows_kept, measured in results["draft_vocab"].items():
+        lines.append(
+            f"vocab {rows_kept}: the draft restricted to the first {rows_kept} ids and the "
+            f"special tokens costs {measured['draft_cost_vs_whole']:.2f} of the whole draft; "
+            f"first token accepted at {measured['first_token_acceptance']:.0%} of positions"
+        )
+    lines.append("policy                       over plain  over best fixed k (whole draft)")
     for name, rate in results["over_plain"].items():
-        lines.append(f"{name:<28} {rate:>9.3f}x  {results['over_best_fixed'][name]:>16.3f}x")
+        lines.append(f"{name:<40} {rate:>9.3f}x  {results['over_best_fixed'][name]:>16.3f}x")
     lines.append("oracle: knows ahead how many drafted tokens will be accepted (unreachable)")
     return "\n".join(lines)
 
@@ -195,6 +246,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5, help="cost measurement rounds")
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument(
+        "--draft-vocab",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[],
+        help="also replay the draft restricted to its first N ids (comma-separated sizes)",
+    )
     return parser.parse_args(argv)
 
 

@@ -7,7 +7,9 @@ For each prompt set it decodes every prompt greedily with:
   mlx-lm      a bare `mlx_lm.generate_step` loop (the framework's own limit)
   mlx-lm+draft  mlx-lm's own `speculative_generate_step`, fixed k (the peer's speculation)
   plain       Tandem's engine with drafting off (k = 0): the server's own overhead
-  draft       Tandem with the draft model only
+  draft       Tandem with the draft model only (its vocabulary reduced as the server's
+              --draft-vocab would, `--draft-vocab` here)
+  draft-whole the same with the draft's whole vocabulary (a second engine, same run)
   pld         Tandem with prompt lookup only
   draft+pld   Tandem with both
   mtp         Tandem drafting with the model's own MTP head (--mtp: Qwen3.5/3.6, Qwen3-Next;
@@ -33,7 +35,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DATA = Path(__file__).parent / "data"
-CONFIGS = ("mlx-lm", "mlx-lm+draft", "plain", "draft", "pld", "draft+pld", "mtp", "mtp+pld")
+CONFIGS = (
+    "mlx-lm",
+    "mlx-lm+draft",
+    "plain",
+    "draft",
+    "draft-whole",
+    "pld",
+    "draft+pld",
+    "mtp",
+    "mtp+pld",
+)
 
 
 @dataclass
@@ -138,6 +150,7 @@ def overrides_for(config: str):
     return {
         "plain": SpeculationOverrides(num_draft_tokens=0),
         "draft": SpeculationOverrides(enable_pld=False, enable_draft=True),
+        "draft-whole": SpeculationOverrides(enable_pld=False, enable_draft=True),
         "pld": SpeculationOverrides(enable_pld=True, enable_draft=False),
         "draft+pld": SpeculationOverrides(enable_pld=True, enable_draft=True),
         "mtp": SpeculationOverrides(enable_pld=False, enable_draft=True),
@@ -179,6 +192,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--peer-k", default="", help="mlx-lm+draft's fixed k values (default: --num-draft-tokens)"
     )
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="Tandem's draft scores only this many frequent tokens, as `tandem serve "
+        "--draft-vocab` (default: the server's automatic size; 0 = all)",
+    )
     args = parser.parse_args(argv)
     if args.mtp and args.draft_model:
         parser.error("--mtp and --draft-model: one model drafter at a time (as in the server)")
@@ -187,11 +207,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     from bench.models import resolve_model
     from engines.blas import describe_blas
+    from engines.draft_vocab import reduce_draft_vocab
     from engines.registry import ModelRegistry
 
     model_path = resolve_model(args.model)
     draft_path = resolve_model(args.draft_model) if args.draft_model else None
     registry = ModelRegistry.load(model_path, draft_path)
+    whole_draft = registry.draft.model if registry.draft else None  # mlx-lm's, draft-whole's
+    if registry.draft:
+        registry.draft.model = reduce_draft_vocab(whole_draft, registry.tokenizer, args.draft_vocab)
     if args.mtp:
         from engines.mtp import load_head, local_folder, weights_source
 
@@ -226,30 +250,58 @@ def main(argv: list[str] | None = None) -> dict:
         f"{args.runs} run(s) with a fresh engine each"
     )
     if draft_path:
-        target_rate, _ = run_mlx_lm(registry.target.model, tokenizer.encode("Hello"), 32)
-        draft_rate, _ = run_mlx_lm(registry.draft.model, tokenizer.encode("Hello"), 32)
-        print(f"cost    draft/target per token {target_rate / draft_rate:.2f} (plain decode)")
+        hello = tokenizer.encode("Hello")
+        target_rate, _ = run_mlx_lm(registry.target.model, hello, 32)
+        draft_rate, _ = run_mlx_lm(whole_draft, hello, 32)
+        reduced_rate, _ = run_mlx_lm(registry.draft.model, hello, 32)
+        print(
+            f"cost    draft/target per token {target_rate / draft_rate:.2f} (plain decode), "
+            f"Tandem's draft {target_rate / reduced_rate:.2f} ({describe_draft(registry)})"
+        )
 
     runs = []
     for run in range(args.runs):
         engine = fresh_engine(registry, args.num_draft_tokens)
+        engines = {"": engine}
+        if "draft-whole" in configs:
+            engines["whole"] = fresh_engine(registry, args.num_draft_tokens, whole_draft)
         print(f"engine  run {run + 1}: {engine.describe()}")
-        runs.append(run_sets(engine, registry, configs, args))
+        runs.append(run_sets(engines, registry, whole_draft, configs, args))
     return report(runs, args.json)
 
 
-def fresh_engine(registry, k: int | None):
-    """A speculative engine as a fresh server builds it: costs measured at start-up."""
+def describe_draft(registry) -> str:
+    from engines.draft_vocab import ReducedVocabDraft
+
+    model = registry.draft.model
+    if isinstance(model, ReducedVocabDraft):
+        return f"scoring {len(model.kept)} of {model.vocab_rows} tokens and each request's own"
+    return "its whole vocabulary"
+
+
+def fresh_engine(registry, k: int | None, draft_model=None):
+    """A speculative engine as a fresh server builds it: costs measured at start-up;
+    with `draft_model`, drafting with that instead of the registry's draft."""
     from engines.spec_state import SpecConfig
     from engines.speculative import SpeculativeEngine
 
-    engine = SpeculativeEngine(registry, SpecConfig.for_server(k))
+    served = registry.draft.model if registry.draft else None
+    if draft_model is not None:
+        registry.draft.model = draft_model
+    try:
+        engine = SpeculativeEngine(registry, SpecConfig.for_server(k))
+    finally:
+        if draft_model is not None:
+            registry.draft.model = served
     registry.transfer(engine.name)
     return engine
 
 
-def run_sets(engine, registry, configs: list[str], args) -> dict[str, dict[str, Result]]:
-    """Every prompt of every set through every config, interleaved per prompt."""
+def run_sets(
+    engines: dict, registry, whole_draft, configs: list[str], args
+) -> dict[str, dict[str, Result]]:
+    """Every prompt of every set through every config, interleaved per prompt
+    (`engines[""]` the served engine, `engines["whole"]` draft-whole's)."""
     tokenizer, target = registry.tokenizer, registry.target.model
     results: dict[str, dict[str, Result]] = {}
     for set_name in args.sets.split(","):
@@ -264,7 +316,10 @@ def run_sets(engine, registry, configs: list[str], args) -> dict[str, dict[str, 
                 progress = [f"mlx-lm {rate:.2f}"]
                 for config in configs[1:]:
                     result = results[set_name][config]
-                    rate, tokens, spec = run_config(config, engine, registry, prompt_ids, args)
+                    engine = engines["whole" if config == "draft-whole" else ""]
+                    rate, tokens, spec = run_config(
+                        config, engine, registry, whole_draft, prompt_ids, args
+                    )
                     progress.append(f"{config} {rate:.2f}")
                     result.rates.append(rate)
                     result.mismatches += tokens != reference
@@ -274,12 +329,15 @@ def run_sets(engine, registry, configs: list[str], args) -> dict[str, dict[str, 
     return results
 
 
-def run_config(config: str, engine, registry, prompt_ids: list[int], args):
-    """(decode rate, tokens, Tandem's speculation stats or None) of one config."""
+def run_config(config: str, engine, registry, whole_draft, prompt_ids: list[int], args):
+    """(decode rate, tokens, Tandem's speculation stats or None) of one config; mlx-lm's
+    speculation drafts with the whole draft model, as mlx-lm ships."""
     if config.startswith("mlx-lm+draft"):
         k = int(config.rsplit("=", 1)[1])
-        target, draft = registry.target.model, registry.draft.model
-        return *run_mlx_lm_draft(target, draft, prompt_ids, args.max_tokens, k, args.e2e), None
+        target = registry.target.model
+        return *run_mlx_lm_draft(
+            target, whole_draft, prompt_ids, args.max_tokens, k, args.e2e
+        ), None
     overrides = overrides_for(config)
     return run_tandem(engine, prompt_ids, args.max_tokens, overrides, args.e2e)
 

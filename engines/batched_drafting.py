@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engines.batch_costs import BatchCosts, BatchPlan, RowOption, choose_draft_length
+from engines.draft_vocab import OwnTokens, bind_own
 from engines.drafters import (
     DRAFT,
     PLD,
@@ -47,6 +48,7 @@ class BatchRow:
     method: str | None = None
     match: int = 0  # the n-gram length of this step's prompt lookup proposal
     mtp: MTPState | None = None  # its MTP head's bookkeeping (`batched_mtp`), if it may use it
+    own: OwnTokens = field(default_factory=OwnTokens)  # its tokens a reduced draft scores
 
     @property
     def tokens(self) -> list[int]:
@@ -128,6 +130,7 @@ def draft_with_model(
     tokens it has left) while others draft on. Returns the draft forwards run."""
     lengths = [row.draft_length if row.method == DRAFT else 0 for row in rows]
     k = max(lengths, default=0)
+    model = bind_own(model, [row.own for row in rows], [row.tokens for row in rows])
     pending = []
     for i, row in enumerate(rows):
         roll_back_draft(cache, rows, i)
@@ -262,7 +265,9 @@ class DraftModelRows:
 
     def leave(self, cache: list, rows: list[BatchRow], index: int) -> tuple[DraftState, None]:
         roll_back_draft(cache, rows, index)
-        return DraftState([layer.extract(index) for layer in cache], rows[index].draft_fed), None
+        row = rows[index]
+        state = DraftState([layer.extract(index) for layer in cache], row.draft_fed, own=row.own)
+        return state, None
 
     def check(self, cache: list, rows: list[BatchRow]) -> None:
         assert all(cache[0].lengths[i] == len(row.draft_fed) for i, row in enumerate(rows)), (
@@ -279,7 +284,7 @@ def draft_row_cache(draft_model, row: BatchRow, draft: DraftState | None) -> lis
         return make_prompt_cache(draft_model)
     shared = shared_prefix(draft.fed, row.tokens)
     cache = [_truncated(layer, shared) for layer in draft.cache]
-    row.draft_fed = draft.fed[:shared]
+    row.draft_fed, row.own = draft.fed[:shared], draft.own
     return cache
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from engines.draft_vocab import OwnTokens, bind_own
 from engines.prompt_lookup import CopyLookup
 from engines.request import SamplingParams
 from engines.rollback import CacheSnapshot, can_trim, roll_back, take_snapshot, trim_exact
@@ -90,6 +91,8 @@ class DraftState:
     snapshot_length: int = 0
     caught_up: int = 0  # tokens the last proposal had to feed before drafting
     catch_up_seconds: float = 0.0  # what feeding them took, when more than two
+    # its tokens a draft with a reduced vocabulary also scores (`engines.draft_vocab`)
+    own: OwnTokens = field(default_factory=OwnTokens)
 
 
 class DraftModelDrafter:
@@ -132,10 +135,11 @@ class DraftModelDrafter:
         values (a grammar) reads them itself."""
         if k <= 0:
             return None
-        logits = self._catch_up(state, context)[None]
+        model = bind_own(self.model, [state.own], [context])
+        logits = self._catch_up(model, state, context)[None]
 
         def advance(token: mx.array) -> mx.array:
-            out = self.model(token[None], cache=state.cache)[0, -1:, : self.vocab_size]
+            out = model(token[None], cache=state.cache)[0, -1:, : self.vocab_size]
             return out.astype(mx.float32)
 
         draft, drafted = chain_drafts(
@@ -144,7 +148,7 @@ class DraftModelDrafter:
         state.fed.extend(drafted[:-1])  # every draft token but the last was fed
         return draft
 
-    def _catch_up(self, state: DraftState, context: list[int]) -> mx.array:
+    def _catch_up(self, model: Any, state: DraftState, context: list[int]) -> mx.array:
         """Roll back to the shared prefix (keeping one token to feed), feed the rest."""
         if state.cache is None:
             state.cache = make_prompt_cache(self.model)
@@ -164,17 +168,17 @@ class DraftModelDrafter:
         state.caught_up = len(pending)
         started = time.perf_counter()
         while len(pending) > self.prefill_step_size:
-            self._forward(state, pending[: self.prefill_step_size])
+            self._forward(model, state, pending[: self.prefill_step_size])
             pending = pending[self.prefill_step_size :]
-        logits = self._forward(state, pending)
+        logits = self._forward(model, state, pending)
         state.snapshot, state.snapshot_length = take_snapshot(state.cache), len(state.fed)
         if state.caught_up > 2:  # a catch-up after plain steps or a prompt: timed alone,
             mx.eval(logits)  # so what drafting steps cost can leave it out
         state.catch_up_seconds = time.perf_counter() - started if state.caught_up > 2 else 0.0
         return logits
 
-    def _forward(self, state: DraftState, tokens: list[int]) -> mx.array:
-        logits = self.model(mx.array(tokens)[None], cache=state.cache)[0, -1, : self.vocab_size]
+    def _forward(self, model: Any, state: DraftState, tokens: list[int]) -> mx.array:
+        logits = model(mx.array(tokens)[None], cache=state.cache)[0, -1, : self.vocab_size]
         state.fed.extend(tokens)
         return logits.astype(mx.float32)
 

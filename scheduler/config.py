@@ -19,6 +19,9 @@ class SchedulerConfig:
     # which repeat this process's forwards (engines/lockstep.py).
     distributed: str | None = None
     num_draft_tokens: int | None = None  # None: SpecConfig's defaults (see for_server)
+    # The draft model scores only this many frequent tokens (plus special and each
+    # request's own); None: engines.draft_vocab's automatic size; 0: all.
+    draft_vocab: int | None = None
     # The model's own MTP head drafts when it has one and no draft model is given;
     # mtp_weights: where its mtp.* weights are, when not in the model's own files.
     mtp: bool = True

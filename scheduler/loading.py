@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.constraints import GrammarCompiler
+from engines.draft_vocab import reduce_draft_vocab
 from engines.measured_costs import CostModel
 from engines.mtp import (
     MTPUnavailable,
@@ -73,6 +74,10 @@ def load_model(config: SchedulerConfig) -> Loaded:
     registry = ModelRegistry.load(
         config.model, config.draft_model, config.gguf_dtype, config.distributed
     )
+    if registry.draft is not None:
+        registry.draft.model = reduce_draft_vocab(
+            registry.draft.model, registry.tokenizer, config.draft_vocab
+        )
     target, draft = registry.target.model, registry.draft and registry.draft.model
     models = [m for m in (target, draft) if m]
     # batched rows: a hybrid target's recurrent rows restore and rerun; a draft is plain KV

@@ -24,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engines.batched import BatchedEngine
 from engines.batched_spec import BatchedSpeculativeEngine
+from engines.draft_vocab import vocabulary_of
 from engines.errors import ContextTooLong, InvalidRequest, QueueFull, ServerNotReady
 from engines.prefix_cache import ASSISTANT, SYSTEM, USER, PrefixCache
 from engines.prompt_scoring import PromptScorer
@@ -357,6 +358,13 @@ class Scheduler:
             return []
         methods = ["pld"] if spec.config.enable_pld else []
         return methods + ([spec.drafter.method] if spec.drafter is not None else [])
+
+    @property
+    def draft_vocabulary(self) -> dict | None:
+        """How much of its vocabulary the draft model scores (`--draft-vocab`): the kept
+        rows of how many; None without a draft model or when it scores them all."""
+        draft = self.registry.draft if self.registry is not None else None
+        return vocabulary_of(draft.model) if draft is not None else None
 
     @property
     def speculation_costs(self) -> dict | None:

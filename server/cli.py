@@ -50,6 +50,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "unsure, a batched row as far as the batch's measured goodput says; requests may ask "
         "for up to 8)",
     )
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the draft model scores only its first N token ids, the special tokens and each "
+        "request's own (a cheaper draft token on a large vocabulary; output unchanged); "
+        "default: 16384 for a draft with more than 65536 tokens; 0 = all",
+    )
     parser.add_argument("--no-pld", action="store_true", help="disable prompt-lookup decoding")
     parser.add_argument(
         "--no-mtp",

@@ -326,6 +326,7 @@ class Metrics:
             },
             "speculation": {
                 "drafters": scheduler.drafters,
+                "draft_vocabulary": scheduler.draft_vocabulary,
                 "drafts": spec.drafts,
                 "draft_tokens": spec.draft_tokens,
                 "accepted_tokens": spec.accepted_tokens,

@@ -115,6 +115,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
             model=model_path,
             draft_model=args.draft_model,
             num_draft_tokens=args.num_draft_tokens,
+            draft_vocab=args.draft_vocab,
             enable_pld=not args.no_pld,
             mtp=not args.no_mtp,
             mtp_weights=args.mtp_weights,

@@ -53,3 +53,31 @@ def test_the_report_ranks_policies_against_the_best_fixed_k(
     assert max(v for k, v in over_best.items() if k.startswith("fixed")) == 1.0
     assert all(over_best["oracle"] >= v for v in over_best.values())
     assert json.loads((tmp_path / "out.json").read_text())["prompts"] == 2
+
+
+def test_a_reduced_draft_vocabulary_is_replayed_beside_the_whole_draft(
+    tiny_model_dir, perturbed_draft_dir, tmp_path
+):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Once upon a time"}))
+    results = draft_ceiling.main(
+        [
+            str(tiny_model_dir),
+            "--draft-model",
+            str(perturbed_draft_dir),
+            "--sets",
+            str(prompts),
+            "--max-tokens",
+            "16",
+            "--rounds",
+            "1",
+            "--draft-vocab",
+            "128",
+        ]
+    )
+    measured = results["draft_vocab"][128]
+    assert 0 < measured["draft_cost_vs_whole"] and 0 <= measured["first_token_acceptance"] <= 1
+    over_best = results["over_best_fixed"]
+    reduced = {k: v for k, v in over_best.items() if k.startswith("vocab 128: ")}
+    assert len(reduced) == len(over_best) / 2
+    assert all(reduced["vocab 128: oracle"] >= v for v in reduced.values())

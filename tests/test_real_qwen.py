@@ -55,3 +55,29 @@ async def test_prompt_lookup_on_a_code_edit_equals_plain_and_pays(qwen):
     assert "for item in items:" in text  # the function was written out again
     spec = drafted["speculation"]
     assert spec["draft_tokens"] > 0 and spec["accepted_tokens"] > spec["draft_tokens"] / 2, spec
+
+
+async def test_a_draft_scoring_a_sixth_of_the_vocabulary_keeps_the_output(qwen, qwen_dir):
+    """The 0.5B drafting for itself: with its 151,936-token vocabulary the draft scores
+    only the first 16,384 ids, the special tokens and the request's own by default. The
+    answer is plain decoding's, token for token; the draft names the rare tokens the
+    prompt brought (the identifiers of the code) and most of its tokens are accepted."""
+    from engines.draft_vocab import ReducedVocabDraft
+    from tests.conftest import start_scheduler
+
+    request = chat(
+        "Rename the variable `subtotal` to `amount` in this function. Reply with the "
+        f"complete updated function only.\n\n```python\n{CODE}```"
+    )
+    plain = await post_chat(qwen, messages=request, max_tokens=40, enable_pld=False)
+    scheduler = start_scheduler(qwen_dir, draft_model=str(qwen_dir))
+    try:
+        assert isinstance(scheduler.registry.draft.model, ReducedVocabDraft)
+        drafted = await post_chat(
+            scheduler, messages=request, max_tokens=40, enable_pld=False, enable_draft=True
+        )
+    finally:
+        scheduler.stop()
+    assert drafted["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    spec = drafted["speculation"]
+    assert spec["draft_tokens"] > 0 and spec["accepted_tokens"] > spec["draft_tokens"] / 2, spec

@@ -26,7 +26,6 @@ Rates are committed tokens per unit of plain-step cost (prefill left out alike).
 from __future__ import annotations
 
 import argparse
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from bench.spec import encode_prompt, load_prompts
 from engines.blas import describe_blas
 from engines.draft_confidence import ConfidenceCalibration, DraftStop
 from engines.draft_vocab import OwnTokens, bind_own, reduce_draft_vocab
-from engines.measured_costs import CostModel, _pipelined_step_seconds, _warm_cache
+from engines.measured_costs import CostModel, relative_step_cost
 
 MAX_DRAFT = 8
 
@@ -60,11 +59,11 @@ def draft_runs(draft, prompt: list[int], output: list[int], k: int) -> list[Posi
     draft with a reduced vocabulary scores the tokens of the context so far, as served."""
     own = OwnTokens()
     cache = make_prompt_cache(draft)
-    logits = bind_own(draft, [own], [prompt])(mx.array(prompt)[None], cache=cache)[0, -1]
+    model = bind_own(draft, [own], [prompt])  # bound to the context so far
+    logits = model(mx.array(prompt)[None], cache=cache)[0, -1]
     positions = []
     for position in range(len(output)):
         tokens, confidences, step = [], [], logits
-        model = bind_own(draft, [own], [prompt + output[:position]])
         for i in range(k):
             logprobs = step - mx.logsumexp(step)
             token = int(mx.argmax(logprobs).item())
@@ -149,18 +148,6 @@ def policies(runs: list[list[Position]], cost: CostModel, label: str = "") -> di
     return {f"{label}{name}": rate for name, rate in rates.items()}
 
 
-def draft_cost_ratio(target, draft, reduced, rounds: int) -> float:
-    """A reduced-vocabulary draft token's cost over the whole draft's, interleaved."""
-    caches = [_warm_cache(m) for m in (target, draft, reduced)]
-    ratios = []
-    for _ in range(rounds):
-        whole = _pipelined_step_seconds(draft, caches[1])
-        mine = _pipelined_step_seconds(reduced, caches[2])
-        whole = (whole + _pipelined_step_seconds(draft, caches[1])) / 2
-        ratios.append(mine / whole)
-    return statistics.median(ratios)
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     target, tokenizer = load(resolve_model(args.model))
@@ -181,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     best_fixed = max(v for name, v in rates.items() if name.startswith("fixed"))
     draft_costs = {}
     for rows_kept, model in reduced.items():
-        ratio = draft_cost_ratio(target, draft, model, args.rounds)
+        ratio = relative_step_cost(model, draft, args.rounds)
         draft_costs[rows_kept] = round(ratio, 4)
         cheaper = CostModel(cost.verify, cost.draft_step * ratio, cost.plain_seconds)
         rates |= policies(reduced_runs[rows_kept], cheaper, f"vocab {rows_kept}: ")

@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from bench.models import resolve_model
     from engines.blas import describe_blas
-    from engines.draft_vocab import reduce_draft_vocab
+    from engines.draft_vocab import describe_vocabulary, reduce_draft_vocab
     from engines.registry import ModelRegistry
 
     model_path = resolve_model(args.model)
@@ -254,9 +254,10 @@ def main(argv: list[str] | None = None) -> dict:
         target_rate, _ = run_mlx_lm(registry.target.model, hello, 32)
         draft_rate, _ = run_mlx_lm(whole_draft, hello, 32)
         reduced_rate, _ = run_mlx_lm(registry.draft.model, hello, 32)
+        scoring = describe_vocabulary(registry.draft.model)
         print(
             f"cost    draft/target per token {target_rate / draft_rate:.2f} (plain decode), "
-            f"Tandem's draft {target_rate / reduced_rate:.2f} ({describe_draft(registry)})"
+            f"Tandem's draft {target_rate / reduced_rate:.2f} (scoring {scoring})"
         )
 
     runs = []
@@ -268,15 +269,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"engine  run {run + 1}: {engine.describe()}")
         runs.append(run_sets(engines, registry, whole_draft, configs, args))
     return report(runs, args.json)
-
-
-def describe_draft(registry) -> str:
-    from engines.draft_vocab import ReducedVocabDraft
-
-    model = registry.draft.model
-    if isinstance(model, ReducedVocabDraft):
-        return f"scoring {len(model.kept)} of {model.vocab_rows} tokens and each request's own"
-    return "its whole vocabulary"
 
 
 def fresh_engine(registry, k: int | None, draft_model=None):

@@ -257,6 +257,14 @@ def vocabulary_of(model: Any) -> dict | None:
     return None
 
 
+def describe_vocabulary(model: Any) -> str:
+    """What a draft scores, in words (for start-up lines and bench output)."""
+    vocabulary = vocabulary_of(model)
+    if vocabulary is None:
+        return "its whole vocabulary"
+    return f"{vocabulary['kept']} of {vocabulary['of']} tokens and each request's own"
+
+
 def bind_own(model: Any, owns: list[OwnTokens], contexts: list[list[int]]) -> Any:
     """`model` for rows with these contexts: a reduced draft bound to each row's own
     tokens (brought up to date with its context); any other model as it is."""

@@ -117,6 +117,20 @@ def monotone_fit(values: list[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(count)]
 
 
+def relative_step_cost(model, base, rounds: int = 5) -> float:
+    """A pipelined step of `model` over one of `base` (two models of one tokenizer, e.g. a
+    draft with a reduced vocabulary against its whole self): each round times `model`
+    between two runs of `base`, and the median over rounds drops a disturbed one."""
+    model_cache, base_cache = _warm_cache(model), _warm_cache(base)
+    ratios = []
+    for _ in range(rounds):
+        before = _pipelined_step_seconds(base, base_cache)
+        seconds = _pipelined_step_seconds(model, model_cache)
+        after = _pipelined_step_seconds(base, base_cache)
+        ratios.append(seconds / ((before + after) / 2))
+    return statistics.median(ratios)
+
+
 def _warm_cache(model, context: int = 32):
     cache = make_prompt_cache(model)
     mx.eval(model(mx.zeros((1, context), dtype=mx.int32), cache=cache))

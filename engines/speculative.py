@@ -28,7 +28,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs, pad_vocab
 from engines.draft_confidence import ConfidenceCalibration
 from engines.draft_limits import DraftLimits
-from engines.draft_vocab import ReducedVocabDraft
+from engines.draft_vocab import describe_vocabulary, vocabulary_of
 from engines.drafters import (
     DRAFT,
     PLD,
@@ -141,23 +141,17 @@ class SpeculativeEngine:
         )
         cost = self.cost
         costs = ", ".join(f"{c:.2f}" for c in cost.verify[: self.config.num_draft_tokens + 1])
+        draft_model = getattr(self.drafter, "model", None)
+        scores = (
+            f", scores {describe_vocabulary(draft_model)}" if vocabulary_of(draft_model) else ""
+        )
         return (
             f"methods={'+'.join(methods) or 'none'} k={self.config.num_draft_tokens} "
-            + (
-                f"({self.drafter.method}: stops when unsure{self._vocabulary()}) "
-                if self.drafter
-                else ""
-            )
+            + (f"({self.drafter.method}: stops when unsure{scores}) " if self.drafter else "")
             + (f"(prompt lookup up to {self.limits.pld_cap}) " if self.config.enable_pld else "")
             + f"verify cost vs plain step for 1..k+1 tokens=[{costs}]"
             + (f" draft step={cost.draft_step:.2f}" if self.drafter else "")
         )
-
-    def _vocabulary(self) -> str:
-        model = getattr(self.drafter, "model", None)
-        if isinstance(model, ReducedVocabDraft):
-            return f", from {len(model.kept)} of {model.vocab_rows} tokens + the request's"
-        return ""
 
     @property
     def cost(self) -> CostModel:

@@ -28,52 +28,32 @@ def test_a_draft_equal_to_the_target_is_accepted_at_every_position(tiny_model_di
     assert draft_ceiling.replay([runs], cost, draft_ceiling.oracle) >= fixed
 
 
+def run_ceiling(target, draft, tmp_path, rows: list[dict], *extra: str) -> dict:
+    """`tandem bench draft-ceiling` on `rows`, 16 tokens each, one cost round."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(row) for row in rows))
+    arguments = [str(target), "--draft-model", str(draft), "--sets", str(prompts)]
+    return draft_ceiling.main([*arguments, "--max-tokens", "16", "--rounds", "1", *extra])
+
+
 def test_the_report_ranks_policies_against_the_best_fixed_k(
     tiny_model_dir, tiny_draft_dir, tmp_path
 ):
-    prompts = tmp_path / "prompts.jsonl"
     rows = [{"prompt": "Once upon a time"}, {"prompt": "The dog ran to the park"}]
-    prompts.write_text("\n".join(json.dumps(row) for row in rows))
-    results = draft_ceiling.main(
-        [
-            str(tiny_model_dir),
-            "--draft-model",
-            str(tiny_draft_dir),
-            "--sets",
-            str(prompts),
-            "--max-tokens",
-            "16",
-            "--rounds",
-            "1",
-            "--output",
-            str(tmp_path / "out.json"),
-        ]
-    )
+    output = tmp_path / "out.json"
+    results = run_ceiling(tiny_model_dir, tiny_draft_dir, tmp_path, rows, "--output", str(output))
     over_best = results["over_best_fixed"]
     assert max(v for k, v in over_best.items() if k.startswith("fixed")) == 1.0
     assert all(over_best["oracle"] >= v for v in over_best.values())
-    assert json.loads((tmp_path / "out.json").read_text())["prompts"] == 2
+    assert json.loads(output.read_text())["prompts"] == 2
 
 
 def test_a_reduced_draft_vocabulary_is_replayed_beside_the_whole_draft(
     tiny_model_dir, perturbed_draft_dir, tmp_path
 ):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "Once upon a time"}))
-    results = draft_ceiling.main(
-        [
-            str(tiny_model_dir),
-            "--draft-model",
-            str(perturbed_draft_dir),
-            "--sets",
-            str(prompts),
-            "--max-tokens",
-            "16",
-            "--rounds",
-            "1",
-            "--draft-vocab",
-            "128",
-        ]
+    rows = [{"prompt": "Once upon a time"}]
+    results = run_ceiling(
+        tiny_model_dir, perturbed_draft_dir, tmp_path, rows, "--draft-vocab", "128"
     )
     measured = results["draft_vocab"][128]
     assert 0 < measured["draft_cost_vs_whole"] and 0 <= measured["first_token_acceptance"] <= 1

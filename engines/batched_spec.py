@@ -40,7 +40,7 @@ import logging
 import time
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from engines.batch_costs import BatchCosts, BatchPlan
 from engines.batched_drafting import BatchRow, DraftModelRows, plan_rows
@@ -49,18 +49,17 @@ from engines.batched_pipeline import InFlight, pipelinable, queue_plain
 from engines.batched_verify import accept_rows, commit_row, process_rows
 from engines.drafters import DRAFT, MTP, PLD, DraftState, PromptLookupDrafter
 from engines.mtp_drafter import MTPState
-from engines.prefill_groups import PrefillGroup, next_group
+from engines.prefill_groups import PrefillGroup, first_tokens, next_group
 from engines.ragged_cache import (
     RaggedKVCache,
     extend_rows,
     feed_chunk,
-    feed_rows,
     ragged_from_rows,
     remove_rows,
 )
 from engines.ragged_recurrent import is_recurrent
 from engines.registry import ModelRegistry
-from engines.request import at_checkpoint, next_checkpoint
+from engines.request import next_checkpoint
 from engines.rollback import capturing_inputs, roll_back_rows, take_snapshot
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.spec_state import SequenceState, SpecConfig
@@ -391,11 +390,13 @@ class BatchedSpeculativeEngine:
         mx.eval([layer.state for layer in layers if layer.nbytes])
         self.forward_seconds += time.perf_counter() - started
         if self.checkpoint_prompts:
-            self._checkpoint(group, before)
+            self.checkpoints += group.checkpoints(before)
         ready = [i for i, row in enumerate(group.rows) if group.prefilled(i)]
         if not ready:
             return []
-        outputs = self._first_tokens(group, ready)
+        started = time.perf_counter()
+        outputs = first_tokens(self.model, self.mtp, group, ready)
+        self.forward_seconds += time.perf_counter() - started
         joined = len(self.rows)
         if len(ready) == len(group.rows):
             self.groups.remove(group)
@@ -416,41 +417,6 @@ class BatchedSpeculativeEngine:
         """Where the row's prefill stops next: its prompt's end, or a checkpoint."""
         end = len(row.tokens) - 1
         return next_checkpoint(row.seq.request, held, end) if self.checkpoint_prompts else end
-
-    def _checkpoint(self, group: PrefillGroup, before: list[int]) -> None:
-        """Rows whose prompt (or a checkpoint in it) was just prefilled into caches
-        that cannot be cut back later (recurrent state): each row's, copied out, so
-        the same prompt again starts from here."""
-        for i, (row, held) in enumerate(zip(group.rows, group.cache[0].held, strict=True)):
-            if held == before[i] or not at_checkpoint(row.seq.request, held, len(row.tokens) - 1):
-                continue
-            cache = [layer.extract(i) for layer in group.cache]
-            if not can_trim_prompt_cache(cache):
-                mx.eval([layer.state for layer in cache])  # not views of the group's
-                self.checkpoints.append(SequenceState(row.seq, cache, held))
-
-    def _first_tokens(self, group: PrefillGroup, ready: list[int]) -> list[StepOutput]:
-        """Feed the newest token of the `ready` rows of `group` and commit the token
-        that follows it: afterwards each holds all but its newest token again."""
-        started = time.perf_counter()
-        fed = [[row.tokens[-1]] if i in ready else [] for i, row in enumerate(group.rows)]
-        index = mx.array(ready, dtype=mx.int32)
-        before = [group.cache[0].held[i] for i in ready]
-        logits = feed_rows(self.model, group.cache, fed)[index]
-        rows = [group.rows[i] for i in ready]
-        fed_rows = [fed[i] for i in ready]
-        logprobs = process_rows(rows, logits, fed_rows)
-        decisions = accept_rows(rows, logprobs, fed_rows)
-        if self.mtp is not None:
-            following = [[token] for _, token in decisions]
-            self.mtp.observe(rows, before, following, index)
-        self.forward_seconds += time.perf_counter() - started
-        outputs = []
-        for j, (row, (_, token)) in enumerate(zip(rows, decisions, strict=True)):
-            for gate in row.gates.values():
-                gate.plain_token()
-            outputs.append(commit_row(row, [token], logprobs[j]))
-        return outputs
 
     # ---- planning -----------------------------------------------------------------------
 

@@ -7,14 +7,27 @@ Qwen2.5-Coder-0.5B, 7 prompts of 340-480 tokens: 98 tokens/s one by one, 71 padd
 into one forward). Among groups the one with the least left prefills first, which
 gives a burst its lowest median time to first token, but the oldest is passed over
 at most `MAX_PASSED_OVER` times, so a stream of short prompts cannot starve a long one.
+A row whose prompt is in gets its first token from one small forward of its group
+(`first_tokens`) and joins the batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache
 
 from engines.batched_drafting import BatchRow
-from engines.ragged_cache import RaggedKVCache
+from engines.batched_verify import accept_rows, commit_row, process_rows
+from engines.ragged_cache import RaggedKVCache, feed_rows
+from engines.request import at_checkpoint
+from engines.sequence import StepOutput
+from engines.spec_state import SequenceState
+
+if TYPE_CHECKING:
+    from engines.batched_mtp import BatchedMTP
 
 MAX_PASSED_OVER = 8
 
@@ -50,6 +63,20 @@ class PrefillGroup:
             return target
         return target and len(row.draft_fed) == len(row.tokens) - 1
 
+    def checkpoints(self, before: list[int]) -> list[SequenceState]:
+        """Rows whose prompt (or a checkpoint in it) was just prefilled (they held
+        `before`) into caches that cannot be cut back later (recurrent state): each
+        row's, copied out, so the same prompt again starts from here."""
+        taken = []
+        for i, (row, held) in enumerate(zip(self.rows, self.cache[0].held, strict=True)):
+            if held == before[i] or not at_checkpoint(row.seq.request, held, len(row.tokens) - 1):
+                continue
+            cache = [layer.extract(i) for layer in self.cache]
+            if not can_trim_prompt_cache(cache):
+                mx.eval([layer.state for layer in cache])  # not views of the group's
+                taken.append(SequenceState(row.seq, cache, held))
+        return taken
+
 
 def next_group(groups: list[PrefillGroup]) -> PrefillGroup:
     """The group with the least left to prefill, unless the oldest has been passed over
@@ -61,3 +88,28 @@ def next_group(groups: list[PrefillGroup]) -> PrefillGroup:
     if group is not oldest:
         oldest.passed_over += 1
     return group
+
+
+def first_tokens(
+    model, mtp: BatchedMTP | None, group: PrefillGroup, ready: list[int]
+) -> list[StepOutput]:
+    """Feed the newest token of the `ready` rows of `group` and commit the token that
+    follows it, from one small forward of the group (not a verify of the whole batch,
+    so time to first token is the prefill plus one token): afterwards each holds all
+    but its newest token again."""
+    fed = [[row.tokens[-1]] if i in ready else [] for i, row in enumerate(group.rows)]
+    index = mx.array(ready, dtype=mx.int32)
+    before = [group.cache[0].held[i] for i in ready]
+    logits = feed_rows(model, group.cache, fed)[index]
+    rows = [group.rows[i] for i in ready]
+    fed_rows = [fed[i] for i in ready]
+    logprobs = process_rows(rows, logits, fed_rows)
+    decisions = accept_rows(rows, logprobs, fed_rows)
+    if mtp is not None:
+        mtp.observe(rows, before, [[token] for _, token in decisions], index)
+    outputs = []
+    for j, (row, (_, token)) in enumerate(zip(rows, decisions, strict=True)):
+        for gate in row.gates.values():
+            gate.plain_token()
+        outputs.append(commit_row(row, [token], logprobs[j]))
+    return outputs

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,8 @@ AUTO_ROWS = 16384
 AUTO_FROM = 65536
 
 
-# A request scores at most this many tokens of its own (the first it met): a huge
+# A request scores at most this many tokens of its own (once it has this many, later
+# ones are not added; the batch that crosses the cap keeps its lowest ids): a huge
 # prompt of rare tokens must not make each draft token cost more than the whole head.
 MAX_OWN = 8192
 
@@ -63,7 +65,8 @@ class OwnTokens:
         if self.scanned > len(context):  # a different context: start over
             self.ids, self.scanned, self.view = [], 0, None
         new = {t for t in context[self.scanned :] if 0 <= t < len(kept) and not kept[t]}
-        if new - set(self.ids) and len(self.ids) < MAX_OWN:
+        # most steps bring no token outside the kept rows: no set of `ids` built for them
+        if new and len(self.ids) < MAX_OWN and not new.issubset(self.ids):
             self.ids = sorted(set(self.ids) | new)[:MAX_OWN]
             self.view = None
         self.scanned = len(context)
@@ -204,8 +207,6 @@ def matches_full_head(reduced: ReducedVocabDraft, own: list[int]) -> bool:
     """Whether the reduced logits equal the model's own on the kept rows and on `own`
     (some ids left out), on a few tokens: false for a model that scales, caps or
     offsets logits after its head."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     tokens = mx.array([reduced.kept[: min(8, len(reduced.kept))]], dtype=mx.int32)
     full = reduced.inner(tokens, cache=make_prompt_cache(reduced.inner))
     mine = reduced.bind([own])(tokens, cache=make_prompt_cache(reduced.inner))

@@ -435,7 +435,7 @@ class Scheduler:
         in_engine = set(engine.active_ids) if engine is not None else set()
         unread = [(rid, t.unread) for rid, t in self._running.items() if rid in in_engine]
         for request_id in policy.to_pause(unread):
-            self._pause(self._running[request_id], engine, now)
+            self._pause(self._running.get(request_id), engine, now)
         for request_id, tracked in list(self._paused.items()):
             if policy.can_resume(tracked.unread):
                 del self._paused[request_id]
@@ -450,7 +450,9 @@ class Scheduler:
                     error_kind="aborted",
                 )
 
-    def _pause(self, tracked: TrackedRequest, engine, now: float) -> None:
+    def _pause(self, tracked: TrackedRequest | None, engine, now: float) -> None:
+        if tracked is None:
+            return  # finished: an earlier pause's settle committed its last token
         request_id = tracked.request.request_id
         if self._mode == Mode.SPECULATIVE:
             state, outputs = engine.export()

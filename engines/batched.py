@@ -52,7 +52,7 @@ class SamplerPool:
             return greedy
         key = SamplingParams(params.temperature, params.top_p, params.top_k, params.min_p)
         if params.seed is not None:
-            return _make_sampler(key, seq.rng)
+            return _seeded_sampler(key, seq)
         sampler = self._shared.pop(key, None) or _make_sampler(key, RandomStream.from_seed(None))
         self._shared[key] = sampler  # most recently used last
         if len(self._shared) > self.max_size:
@@ -66,6 +66,23 @@ class SamplerPool:
 def _make_sampler(params: SamplingParams, rng: RandomStream) -> Sampler:
     def sample(logprobs: mx.array) -> mx.array:
         return mx.random.categorical(sampling_logits(params, logprobs), key=rng.next_key())
+
+    return sample
+
+
+def _seeded_sampler(params: SamplingParams, seq: Sequence) -> Sampler:
+    """A seeded row's sampler: the token at output position n is drawn with
+    `rng.key_at(n)`, as the single-stream engine draws it, so a seeded request gives
+    the same tokens alone or batched. BatchGenerator calls a row's own sampler once per
+    token it samples for the row, in order, from the first one it feeds after `insert`
+    (output position `len(seq.generated)` then); a new sampler is made at each insert."""
+    position = len(seq.generated)
+    rng = seq.rng
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal position
+        key, position = rng.key_at(position), position + 1
+        return mx.random.categorical(sampling_logits(params, logprobs), key=key)
 
     return sample
 

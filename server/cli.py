@@ -182,7 +182,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tokens",
         type=int,
         default=4096,
-        help="largest max_tokens a request may ask for (also the default)",
+        help="most tokens one reply may generate (also the default); a request asking for "
+        "more is served up to this and ends with a length finish reason",
+    )
+    parser.add_argument(
+        "--stream-keepalive",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="a stream silent for S seconds (a long prefill, a queue) sends a keep-alive "
+        "(Anthropic ping, SSE comment) so idle timeouts do not drop it; 0 = never",
+    )
+    parser.add_argument(
+        "--strict-max-tokens",
+        action="store_true",
+        help="refuse (400) a max_tokens above --max-tokens or above the context's room "
+        "instead of serving as many tokens as fit",
     )
     parser.add_argument("--max-queue", type=int, default=256, help="bound on waiting requests")
     parser.add_argument(
@@ -257,6 +272,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="json: one object per line, per-request fields at the top level",
     )
     parser.add_argument("--no-metrics", action="store_true", help="do not serve GET /metrics")
+    parser.add_argument("--no-ui", action="store_true", help="do not serve the web page at /")
     parser.add_argument(
         "--metrics-api-key",
         action="append",

@@ -15,8 +15,12 @@ class ServerConfig:
     port: int = 8000
     api_keys: tuple[str, ...] = ()
     max_tokens: int = 4096  # cap on (and default for) tokens generated per request
+    # Refuse max_tokens above the cap or the context's room (400) instead of cutting it.
+    strict_max_tokens: bool = False
+    stream_keepalive: float = 10.0  # seconds a stream may stay silent before a keep-alive
     demo: bool = False
     metrics: bool = True  # serve GET /metrics
+    ui: bool = True  # serve the web page at / (and GET /ui/status)
     metrics_api_keys: tuple[str, ...] = ()  # keys that may read /metrics (besides API keys)
     allowed_origins: tuple[str, ...] = ()  # CORS; empty = off
     max_body_bytes: int = 4 << 20

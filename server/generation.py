@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
-from server.errors import bad_request
+from server.errors import ApiError, bad_request
 from server.openai.schemas import SamplingFields
 
 
@@ -49,18 +49,46 @@ def sampling_params(body: SamplingFields, vocab_size: int) -> SamplingParams:
 
 
 def effective_max_tokens(
-    requested: int | None, prompt_len: int, context: int | None, server_cap: int
+    requested: int | None,
+    prompt_len: int,
+    context: int | None,
+    server_cap: int,
+    strict: bool = False,
+    param: str = "max_tokens",
 ) -> int:
-    """Requested tokens, or as many as fit; asking beyond the server cap is a 400."""
-    if requested is not None:
+    """How many tokens a request may generate: what it asked for, cut to the server's
+    cap and to the room its prompt leaves in the context. Clients ask for what their
+    own upstream allows (Claude Code 32000, agents 8000+) and expect the reply to stop
+    with a length reason where it must, as the hosted APIs do; only a prompt that leaves
+    no room at all is refused. With `strict` (`--strict-max-tokens`) asking beyond the
+    cap or the room is a 400, as before."""
+    room = None if context is None else context - prompt_len
+    if room is not None and room < 1 and requested != 0:
+        raise context_exceeded(prompt_len, context)
+    if requested == 0:
+        return 0
+    if strict and requested is not None:
         if requested > server_cap:
             raise bad_request(
-                f"max_tokens is {requested}, above this server's limit of {server_cap}",
-                "max_tokens",
+                f"{param} is {requested}, above this server's limit of {server_cap}", param
             )
-        return requested
-    room = server_cap if context is None else min(server_cap, context - prompt_len)
-    return max(room, 1)
+        if room is not None and requested > room:
+            raise context_exceeded(prompt_len, context, requested)
+    limits = [server_cap] + ([room] if room is not None else [])
+    if requested is not None:
+        limits.append(requested)
+    return max(min(limits), 1)
+
+
+def context_exceeded(prompt_len: int, context: int, requested: int | None = None) -> ApiError:
+    """The one refusal every surface shares when a prompt does not fit."""
+    ask = f" and max_tokens asks for {requested} more" if requested else ""
+    return ApiError(
+        400,
+        f"this model's context is {context} tokens; the prompt has {prompt_len}{ask}",
+        "invalid_request_error",
+        code="context_length_exceeded",
+    )
 
 
 def build_request(

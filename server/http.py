@@ -11,6 +11,7 @@ from typing import TypeVar
 import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from engines.errors import ServerNotReady, TandemError
 from engines.request import GenerationRequest
@@ -19,6 +20,7 @@ from server import json_body as strict_json
 from server.auth import caller_key_id
 from server.config import ServerConfig
 from server.errors import ApiError, bad_request
+from server.keepalive import OPENAI_KEEPALIVE, with_keepalive
 
 Body = TypeVar("Body", bound=BaseModel)
 Job = TypeVar("Job")
@@ -160,6 +162,15 @@ async def events_until_done(request: Request, stream: RequestStream) -> AsyncIte
         if not stream.done:
             request.app.state.metrics.count_disconnect()
         stream.cancel()
+
+
+def event_stream(
+    request: Request, chunks: AsyncIterator[str], keepalive: str = OPENAI_KEEPALIVE
+) -> StreamingResponse:
+    """An SSE response that sends `keepalive` while the stream is quiet."""
+    interval = config_of(request).stream_keepalive
+    body = with_keepalive(chunks, interval, keepalive)
+    return StreamingResponse(body, media_type="text/event-stream")
 
 
 def output_markers(request: Request):

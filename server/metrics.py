@@ -10,6 +10,7 @@ Each app has its own `CollectorRegistry`: no module-level metric state.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -103,6 +104,7 @@ FINISH_REASONS = ("stop", "length", "cancelled", "error")
 METHODS = ("draft", "mtp", "pld")
 GATES = ("prompt", "runtime")
 MEMORY_KINDS = ("active", "cache", "peak")
+RECENT_REQUESTS = 64  # finished requests kept for the web page (GET /ui/status)
 
 
 class Metrics:
@@ -116,6 +118,9 @@ class Metrics:
         self.finished: dict[str, int] = {}
         self.errors: dict[str, int] = {}
         self.disconnects = 0
+        # The last finished requests (appended on the engine thread; readers copy it).
+        self.recent: deque[RequestRecord] = deque(maxlen=RECENT_REQUESTS)
+        self.skipped_tool_counts: dict[str, int] = {}  # event loop; shown in /v1/stats
         self._build()
         self.registry.register(_LiveGauges(self))
 
@@ -203,6 +208,12 @@ class Metrics:
         self.client_disconnects = counter(
             "tandem_client_disconnects", "Requests cancelled because the client left."
         )
+        self.skipped_tools = counter(
+            "tandem_server_tools_not_offered",
+            "Server-executed tools (web search, code execution, ...) a request listed that "
+            "Tandem cannot run and did not offer the model, by API surface and kind.",
+            ("surface", "kind"),
+        )
         # Pre-create the bounded label sets so they export zeros from the start.
         m = self.model_name
         for reason in FINISH_REASONS:
@@ -242,6 +253,7 @@ class Metrics:
         m = self.model_name
         self.success.labels(m, record.finish_reason).inc()
         self.finished[record.finish_reason] = self.finished.get(record.finish_reason, 0) + 1
+        self.recent.append(record)
         self.prompt_tokens.labels(m).inc(record.prompt_tokens)
         self.generation_tokens.labels(m).inc(record.completion_tokens)
         self.prefix_queries.labels(m).inc(record.prompt_tokens)
@@ -291,6 +303,11 @@ class Metrics:
         self.request_errors.labels(self.model_name, kind).inc()
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
+    def count_skipped_tool(self, surface: str, kind: str) -> None:
+        self.skipped_tools.labels(self.model_name, surface, kind).inc()
+        key = f"{surface}:{kind}"
+        self.skipped_tool_counts[key] = self.skipped_tool_counts.get(key, 0) + 1
+
     def count_disconnect(self) -> None:
         self.client_disconnects.labels(self.model_name).inc()
         self.disconnects += 1
@@ -323,6 +340,7 @@ class Metrics:
                 "finished": dict(self.finished),
                 "errors": dict(self.errors),
                 "client_disconnects": self.disconnects,
+                "server_tools_not_offered": dict(self.skipped_tool_counts),
             },
             "speculation": {
                 "drafters": scheduler.drafters,

@@ -129,20 +129,59 @@ def render_chat(
         )
     escaper = Escaper.for_tokenizer(tokenizer)
     try:
-        marked = tokenizer.apply_chat_template(
-            escaper.escape(messages),
-            tools=escaper.escape(tools) or None,
-            add_generation_prompt=True,
-            tokenize=False,
-        )
+        marked = apply_template(tokenizer, escaper, messages, tools)
     except Exception as exc:  # noqa: BLE001 - templates raise arbitrary errors on bad input
-        raise bad_request(f"the chat template rejected these messages: {exc}", param) from exc
+        folded = fold_late_system_turns(messages)
+        if folded == messages:
+            raise bad_request(f"the chat template rejected these messages: {exc}", param) from exc
+        return render_chat(tokenizer, folded, tools, think_start, param, checkpoint_system)
     text = escaper.unescape(marked)
     starts_in_reasoning = bool(think_start) and text.rstrip().endswith(think_start)
     ids = encode_marked(tokenizer, marked, escaper)
     shared = shared_system_end(tokenizer, messages, tools, escaper, ids) if checkpoint_system else 0
     checkpoints = (shared,) if shared else ()
     return RenderedChat(ids, text, starts_in_reasoning, marked, escaper, checkpoints)
+
+
+def apply_template(tokenizer: Any, escaper: Escaper, messages: list[dict], tools: list | None):
+    return tokenizer.apply_chat_template(
+        escaper.escape(messages),
+        tools=escaper.escape(tools) or None,
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+
+
+def fold_late_system_turns(messages: list[dict]) -> list[dict]:
+    """System turns after the conversation started (Claude Code sends them; many
+    templates allow a system turn only first) as text at the start of the next user
+    turn, or of a user turn of their own at the end. Leading system turns stay."""
+    lead = len(list(takewhile(lambda m: m["role"] in ("system", "developer"), messages)))
+    folded, pending = list(messages[:lead]), []
+    for message in messages[lead:]:
+        if message["role"] in ("system", "developer"):
+            pending.append(str(message.get("content") or ""))
+        elif pending and message["role"] == "user":
+            text = "\n\n".join([*pending, str(message.get("content") or "")])
+            folded.append({**message, "content": text})
+            pending = []
+        else:
+            folded.append(message)
+    if pending:
+        folded.append({"role": "user", "content": "\n\n".join(pending)})
+    return folded
+
+
+def common_prefix_length(tokenizer: Any, probe_marked: str, rendered: RenderedChat) -> int:
+    """How many of `rendered.ids` a template text rendered with the same escaper
+    starts with (where a prefix of the conversation ends in the prompt's tokens)."""
+    shared = 0
+    probe = encode_marked(tokenizer, probe_marked, rendered.escaper)
+    for a, b in zip(probe, rendered.ids, strict=False):
+        if a != b:
+            break
+        shared += 1
+    return shared
 
 
 def shared_system_end(

@@ -297,9 +297,8 @@ async def test_anthropic_bad_input_is_400_in_anthropic_shape(http, raw):
     [
         {"messages": 5},
         {"messages": [{"role": "user", "content": 5}]},
-        {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "video", "source": {}}]}]},
         {"messages": USER, "tools": [{"name": "f"}]},
-        {"messages": USER, "tools": [{"name": "s", "type": "web_search_20250305"}]},
         {
             "messages": [
                 {
@@ -314,9 +313,8 @@ async def test_anthropic_bad_input_is_400_in_anthropic_shape(http, raw):
     ids=[
         "list",
         "content-int",
-        "image",
+        "video",
         "no-schema",
-        "server-tool",
         "final-tool-use",
         "surrogate",
         "system-image",
@@ -402,7 +400,7 @@ async def test_responses_of_one_key_stay_invisible_to_another_when_streamed(sche
             },
         },
         {"messages": USER, "max_tokens": 2, "response_format": {"type": ["json_object"]}},
-        {"messages": USER, "max_completion_tokens": 10**9},
+        {"messages": USER, "max_completion_tokens": 0},
         {"messages": [{"role": "user", "content": [{"type": 5}]}], "max_tokens": 2},
     ],
     ids=[
@@ -417,7 +415,7 @@ async def test_responses_of_one_key_stay_invisible_to_another_when_streamed(sche
         "bad-minimum",
         "bad-pattern",
         "list-format",
-        "huge-max",
+        "zero-max",
         "int-part",
     ],
 )

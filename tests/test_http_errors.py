@@ -26,7 +26,6 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     (COMPLETIONS, {"prompt": [999999]}, 400, "prompt"),
     (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt"),
-    (COMPLETIONS, {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     (COMPLETIONS, {"prompt": [1, 2], "suffix": "x"}, 400, "prompt"),

@@ -1,9 +1,11 @@
 """Pydantic request models for the Anthropic Messages surface.
 
-Unknown fields are ignored (SDKs send many we do not use: `cache_control`, `citations`,
-`service_tier`); wrong types and out-of-range values fail validation and become a 400
-in Anthropic's error shape. Content blocks are told apart by their `type`, so a text
-block with a bad `text` is reported as such instead of as "some other block".
+Unknown fields are ignored (SDKs and Claude Code send many we do not use: `citations`,
+`service_tier`, `context_management`, `anthropic-beta` features); `cache_control` is
+kept where it marks a prefix to cache (see `server/anthropic/prompt.py`); wrong types
+and out-of-range values fail validation and become a 400 in Anthropic's error shape.
+Content blocks are told apart by their `type`, so a text block with a bad `text` is
+reported as such instead of as "some other block".
 """
 
 from __future__ import annotations
@@ -47,10 +49,14 @@ def _result_tag(value: Any) -> str:
     return "text" if _type_of(value) == "text" else "other"
 
 
+CacheControl = dict[str, Any] | None  # {"type": "ephemeral", "ttl"?}: a prefix to keep
+
+
 class TextBlock(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: StrictStr
+    cache_control: CacheControl = None
 
 
 class ToolUseBlock(BaseModel):
@@ -59,10 +65,12 @@ class ToolUseBlock(BaseModel):
     id: StrictStr
     name: StrictStr
     input: dict[str, Any]
+    cache_control: CacheControl = None
 
 
 class OtherBlock(BaseModel):
-    """Image, document, search result, ...: parsed so we can refuse them by name."""
+    """Image, document, search result, ...: images and documents become a placeholder,
+    the others are refused by name."""
 
     model_config = ConfigDict(extra="allow")
     type: StrictStr
@@ -80,6 +88,7 @@ class ToolResultBlock(BaseModel):
     tool_use_id: StrictStr
     content: Annotated[list[ResultBlock], BeforeValidator(text_as_blocks)] = []
     is_error: StrictBool | None = None
+    cache_control: CacheControl = None
 
 
 class ThinkingBlock(BaseModel):
@@ -111,18 +120,19 @@ ContentBlock = Annotated[
 
 class InputMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # Claude Code sends system turns here
     content: Annotated[list[ContentBlock], BeforeValidator(text_as_blocks)]
 
 
 class ToolDefinition(BaseModel):
-    """A client tool; server tools (`type: "web_search_..."`, ...) are refused by name."""
+    """A client tool; server tools (`type: "web_search_..."`, ...) are not offered."""
 
     model_config = ConfigDict(extra="ignore")
     name: Annotated[StrictStr, Field(min_length=1, max_length=128)]
     type: StrictStr | None = None
     description: StrictStr | None = None
     input_schema: dict[str, Any] | None = None
+    cache_control: CacheControl = None
 
 
 class ToolChoice(BaseModel):
@@ -142,7 +152,7 @@ class SpeculationFields(BaseModel):
 
 
 class Metadata(SpeculationFields):
-    user_id: Annotated[StrictStr, Field(max_length=256)] | None = None  # Anthropic's limit
+    user_id: StrictStr | None = None  # only passed on; Claude Code's is a JSON string
 
 
 class OutputConfig(BaseModel):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from engines.errors import RequestAborted, RequestFailed
 from engines.request import GenerationRequest
@@ -24,6 +24,7 @@ from server.http import (
     check_model,
     collect_unless_disconnected,
     config_of,
+    event_stream,
     events_until_done,
     model_info_of,
     off_the_loop,
@@ -55,6 +56,7 @@ class ChatJob:
     starts_in_reasoning: bool
     tokenizer: Any
     created: int = field(default_factory=lambda: int(time.time()))
+    token_sources: bool = False  # tandem_token_sources: tag each token with its source
 
 
 def tool_call_arguments(call: dict, index: int) -> dict:
@@ -116,7 +118,12 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
     )
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = effective_max_tokens(
-        requested, len(rendered.ids), info.context_length, config.max_tokens
+        requested,
+        len(rendered.ids),
+        info.context_length,
+        config.max_tokens,
+        config.strict_max_tokens,
+        "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
     )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     gen = build_request(
@@ -139,7 +146,14 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
         config.tool_call_grammar == "auto",
     )
     gen = replace(gen, constraint=constraint, checkpoints=rendered.checkpoints)
-    return ChatJob(gen, model, tools, rendered.starts_in_reasoning, info.tokenizer)
+    return ChatJob(
+        gen,
+        model,
+        tools,
+        rendered.starts_in_reasoning,
+        info.tokenizer,
+        token_sources=body.tandem_token_sources,
+    )
 
 
 def new_parser(request: Request, job: ChatJob) -> OutputParser:
@@ -192,7 +206,16 @@ def chat_json(job: ChatJob, parser: OutputParser, events: list[TokenEvent]) -> d
         ],
         "usage": usage(last),
         "speculation": last.speculation,
+        **({"token_sources": token_sources(events)} if job.token_sources else {}),
     }
+
+
+def token_sources(events: list[TokenEvent]) -> list[dict]:
+    """The tandem_token_sources extension: per token, its source and the text it released
+    (joined, the raw output the content was parsed from)."""
+    return [
+        {"source": source, "text": text} for e in events for source, text in e.token_sources or ()
+    ]
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -204,7 +227,7 @@ async def create_chat_completion(request: Request) -> Response:
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = chat_chunks(job, parser, events_until_done(request, stream), include_usage)
-        return StreamingResponse(chunks, media_type="text/event-stream")
+        return event_stream(request, chunks)
     events = await collect_unless_disconnected(request, stream)
     if events is None:
         return Response(status_code=499)
@@ -262,11 +285,14 @@ async def chat_chunks(
             before = parser.tool_calls_emitted
             parsed = parser.step(event.text, event.final)
             logprobs = choice_logprobs(job, [event]) if event.logprobs else None
+            sources = token_sources([event]) if job.token_sources and event.token_ids else None
             for delta in delta_fields(parsed, before):
-                yield sse_data(chunk(delta, None, logprobs))
-                logprobs = None
-            if logprobs:  # tokens whose text is still held back (e.g. a partial marker)
-                yield sse_data(chunk({}, None, logprobs))
+                tagged = {"token_sources": sources} if sources else {}
+                yield sse_data({**chunk(delta, None, logprobs), **tagged})
+                logprobs = sources = None
+            if logprobs or sources:  # tokens whose text is still held back (a partial marker)
+                tagged = {"token_sources": sources} if sources else {}
+                yield sse_data({**chunk({}, None, logprobs), **tagged})
             if event.final:
                 final = chunk({}, finish_name(event, parser))
                 yield sse_data({**final, "speculation": event.speculation})

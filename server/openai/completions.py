@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from engines.errors import RequestAborted, RequestFailed
 from engines.request import GenerationRequest
@@ -24,6 +24,7 @@ from server.http import (
     check_model,
     collect_unless_disconnected,
     config_of,
+    event_stream,
     events_until_done,
     model_info_of,
     off_the_loop,
@@ -72,7 +73,9 @@ def to_job(request: Request, body: CompletionRequest, model: str) -> CompletionJ
     tokenizer, context = info.tokenizer, info.context_length
     refuse_unsupported(body)
     prompt_ids = prompt_ids_for(tokenizer, body, info.vocab_size)
-    max_tokens = effective_max_tokens(body.max_tokens, len(prompt_ids), context, config.max_tokens)
+    max_tokens = effective_max_tokens(
+        body.max_tokens, len(prompt_ids), context, config.max_tokens, config.strict_max_tokens
+    )
     gen = build_request(
         new_request_id("cmpl"),
         body,
@@ -140,7 +143,7 @@ async def create_completion(request: Request) -> Response:
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = completion_chunks(job, events_until_done(request, stream), include_usage)
-        return StreamingResponse(chunks, media_type="text/event-stream")
+        return event_stream(request, chunks)
     events = await collect_unless_disconnected(request, stream)
     if events is None:
         return Response(status_code=499)

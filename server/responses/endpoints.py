@@ -23,7 +23,7 @@ from itertools import count
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from engines.errors import RequestAborted, RequestFailed
 from engines.request import GenerationRequest
@@ -36,6 +36,7 @@ from server.http import (
     check_model,
     collect_unless_disconnected,
     config_of,
+    event_stream,
     events_until_done,
     model_info_of,
     off_the_loop,
@@ -170,15 +171,6 @@ def with_instructions(instructions: str | None, conversation: list[dict]) -> lis
     return [{"role": "system", "content": instructions}, *conversation]
 
 
-def output_budget(requested: int | None, prompt_len: int, context: int | None, cap: int) -> int:
-    if requested is not None and requested > cap:
-        raise bad_request(
-            f"max_output_tokens is {requested}, above this server's limit of {cap}",
-            "max_output_tokens",
-        )
-    return effective_max_tokens(requested, prompt_len, context, cap)
-
-
 # --- the store of recent responses ----------------------------------------------------
 
 
@@ -295,8 +287,13 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
         "input",
         checkpoint_system=info.prompt_checkpoints,
     )
-    max_tokens = output_budget(
-        body.max_output_tokens, len(rendered.ids), info.context_length, config.max_tokens
+    max_tokens = effective_max_tokens(
+        body.max_output_tokens,
+        len(rendered.ids),
+        info.context_length,
+        config.max_tokens,
+        config.strict_max_tokens,
+        "max_output_tokens",
     )
     gen = build_request(
         new_item_id("resp"), body, rendered.ids, max_tokens, info.vocab_size, "responses"
@@ -341,7 +338,7 @@ async def create_response(request: Request) -> Response:
     store = store_of(request)
     if body.stream:
         events = response_events(job, parser, events_until_done(request, stream), store)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return event_stream(request, events)
     collected = await collect_unless_disconnected(request, stream)
     if collected is None:
         return Response(status_code=499)

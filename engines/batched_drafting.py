@@ -276,19 +276,34 @@ class DraftModelRows:
 
 
 def draft_row_cache(draft_model, row: BatchRow, draft: DraftState | None) -> list | None:
-    """The row's draft KV cache as per-layer KVCaches, rolled back to the prefix it
-    shares with the committed tokens (a migrated state may hold drafted ones)."""
+    """The row's draft cache, per layer as the draft model makes it (a sliding-window
+    layer keeps its window: a one-row `RaggedKVCache`), rolled back to the prefix it
+    shares with the committed tokens (a migrated state may hold drafted ones). A slid
+    window that cannot go back that far starts the row's draft cache afresh: drafting
+    catches it up from the committed tokens."""
     if draft_model is None:
         return None
     if draft is None or draft.cache is None:
         return make_prompt_cache(draft_model)
     shared = shared_prefix(draft.fed, row.tokens)
+    row.own = draft.own
     cache = [_truncated(layer, shared) for layer in draft.cache]
-    row.draft_fed, row.own = draft.fed[:shared], draft.own
+    if any(layer is None for layer in cache):
+        row.draft_fed = []
+        return make_prompt_cache(draft_model)
+    row.draft_fed = draft.fed[:shared]
     return cache
 
 
-def _truncated(layer: KVCache, length: int) -> KVCache:
+def _truncated(layer: KVCache | RaggedKVCache, length: int) -> KVCache | RaggedKVCache | None:
+    """A copy of one layer of a single sequence's cache holding its first `length`
+    positions; None when a sliding window no longer reaches back to `length`."""
+    if isinstance(layer, RaggedKVCache):
+        if not layer.trimmable(layer.lengths[0] - length):
+            return None
+        row = layer.take([0])
+        row.set_lengths([length])
+        return row
     cache = KVCache()
     if length and layer.keys is not None:
         cache.keys, cache.values = layer.keys[..., :length, :], layer.values[..., :length, :]

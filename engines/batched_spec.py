@@ -164,8 +164,8 @@ class BatchedSpeculativeEngine:
             fed_with_target = drafter is not None and drafter.fed_with_target
             self.groups.append(PrefillGroup([row], cache, draft, fed_with_target))
             return
-        group.rows.append(row)
         extend_rows([*group.cache, *(group.draft_cache or [])], [*cache, *(draft or [])])
+        group.rows.append(row)
 
     admit = insert
 
@@ -184,8 +184,8 @@ class BatchedSpeculativeEngine:
         if not self.rows:
             self.rows, self.cache, self.draft_cache = list(rows), cache, draft
             return
-        self.rows.extend(rows)
         extend_rows([*self.cache, *(self.draft_cache or [])], [*cache, *(draft or [])])
+        self.rows.extend(rows)  # after the caches: rows that cannot join change nothing
 
     def extract(self, request_id: str) -> SequenceState:
         """Leave with the target cache of every committed token but the newest, and the

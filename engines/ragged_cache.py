@@ -347,7 +347,16 @@ def ragged_from_rows(rows: list[list]) -> list:
 
 
 def extend_rows(layers: list, extra: list) -> None:
-    """Append `extra`'s rows to `layers`' (target and draft layers, in the same order)."""
+    """Append `extra`'s rows to `layers`' (target and draft layers, in the same order).
+    Every pair is checked before any layer changes, so rows that cannot join leave
+    the batch's caches as they were."""
+    if len(layers) != len(extra):
+        raise ValueError(f"{len(extra)} layers of rows cannot join {len(layers)}")
+    for layer, more in zip(layers, extra, strict=True):
+        if isinstance(layer, RaggedArraysCache) != isinstance(more, RaggedArraysCache):
+            raise ValueError("a recurrent layer's rows join only a recurrent layer")
+        if getattr(layer, "window", None) != getattr(more, "window", None):
+            raise ValueError("rows of one layer share its window")
     for layer, more in zip(layers, extra, strict=True):
         layer.extend(more)
 

@@ -21,19 +21,22 @@ import asyncio
 import pytest
 from mlx_lm import load
 
+from engines.batched_drafting import BatchRow, DraftModelRows
+from engines.drafters import DRAFT, PromptLookupDrafter
+from engines.ragged_cache import ragged_from_rows
+from engines.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
+from engines.sequence import make_sequence
 from scheduler import SchedulerState
 from tests.conftest import Reference, start_scheduler
 from tests.test_batched_speculation import (
     PROMPTS,
-    assert_rows_equal,
     greedy_request,
     make_engines,
     round_trip_through_the_batch,
-    run_batch,
 )
 from tests.test_fairness import tokens_of, until_buffered
-from tests.tiny_archs import build_tiny_arch
+from tests.tiny_archs import SLIDING_WINDOW, build_tiny_arch
 
 DRAFT_ONLY = SpeculationOverrides(enable_pld=False)
 
@@ -193,22 +196,35 @@ async def test_prompt_logprobs_start_while_an_mtp_model_is_batched(archs):
 # ---- 5. a windowed draft drafting more than the slide's slack ---------------------------
 
 
-@pytest.mark.parametrize("k", [11, 16])
-def test_a_windowed_draft_drafting_past_the_slide_slack_rolls_back_in_the_batch(archs, k):
-    """The windowed target drafts with its perturbed copy (a windowed draft that is
-    sometimes rejected) at k past SLIDE_SLACK + 2, far past the window: every row's
-    draft rows roll back to their committed prefix after slides, and each row equals
-    its solo plain decoding."""
-    reference = Reference(*load(str(archs["sliding"])))
-    _, engine = make_engines(
-        archs["sliding"], archs["sliding-draft"], num_draft_tokens=k, max_draft_tokens=k
-    )
-    overrides = SpeculationOverrides(enable_pld=False, num_draft_tokens=k)
-    requests = [
-        greedy_request(f"w{i}", reference.tokenizer.encode(PROMPTS[i]), 90, speculation=overrides)
-        for i in range(3)
-    ]
-    seqs, outputs, drafted = run_batch(engine, requests)
-    expected = {r.request_id: reference.greedy_tokens(list(r.prompt_tokens), 90) for r in requests}
-    assert_rows_equal(seqs, outputs, expected)
-    assert drafted > 0
+@pytest.mark.parametrize("k", [8, 11, 16])
+def test_windowed_draft_rows_roll_back_whole_drafts_rejected_across_slides(
+    tiny_model_dir, archs, reference, k
+):
+    """The batch's draft-model rows with a sliding-window draft: every step each row
+    drafts k tokens and the target rejects the first (its committed token differs),
+    so each row rolls back all k - 1 drafts it fed, while its window slides many times
+    (one slide lands inside each chain position in turn). After every step each row's
+    draft rows hold exactly its committed tokens, and its next drafts equal those of a
+    fresh draft cache fed the same tokens."""
+    registry = ModelRegistry.load(str(tiny_model_dir), str(archs["sliding"]))
+    model = registry.draft.model
+    vocab = reference.tokenizer.vocab_size
+    drafter = DraftModelRows(model, vocab, chunk=64)
+    rows = []
+    for i in range(2):
+        request = greedy_request(f"d{i}", reference.tokenizer.encode(PROMPTS[i]), 200)
+        rows.append(BatchRow(make_sequence(request, registry.tokenizer), {}, PromptLookupDrafter()))
+    cache = ragged_from_rows([drafter.join(row, None) for row in rows])
+    for _ in range(2 * SLIDING_WINDOW + k):
+        for row in rows:
+            row.method, row.draft_length = DRAFT, k
+        drafter.draft(cache, rows)
+        for row in rows:
+            row.seq.commit((row.drafts[0] + 1) % vocab)  # the first draft is rejected
+    assert any(max(layer.starts) > 0 for layer in cache if layer.window), "windows slid"
+    drafter.draft(cache, rows)
+    for i, row in enumerate(rows):
+        fresh = BatchRow(row.seq, {}, PromptLookupDrafter(), method=DRAFT, draft_length=k)
+        fresh_cache = ragged_from_rows([drafter.join(fresh, None)])
+        drafter.draft(fresh_cache, [fresh])
+        assert row.drafts == fresh.drafts, i

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engines.batched_drafting import BatchRow, chain_rows
 from engines.drafters import DRAFT, MTP
@@ -46,6 +46,11 @@ class HiddenTap:
         self.model.guard(inputs)
         logits, self.hidden = self.parts.forward(inputs, cache)
         return logits
+
+    def make_cache(self) -> list:
+        """The target's own cache, for what builds one from the engine's model (prompt
+        scoring started while batched)."""
+        return make_prompt_cache(self.model)
 
 
 class _HeadSteps:

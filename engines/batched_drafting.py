@@ -30,7 +30,13 @@ from engines.drafters import (
 )
 from engines.gates import MethodGate, expected_tokens
 from engines.mtp_drafter import MTPState
-from engines.ragged_cache import RaggedKVCache, feed_chunk, feed_rows, set_row_length
+from engines.ragged_cache import (
+    RaggedKVCache,
+    feed_chunk,
+    feed_rows,
+    pinned,
+    set_row_length,
+)
 from engines.sequence import Sequence
 
 
@@ -142,7 +148,9 @@ def draft_with_model(
     logits = _feed(model, cache, rows, pending)
     last = mx.array([len(p) - 1 for p in pending])
     logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0, :vocab]
-    for row, proposal in zip(rows, chain_rows(model, cache, rows, logits, lengths), strict=True):
+    with pinned(cache, [len(row.draft_fed) for row in rows]):  # a rollback goes back here
+        proposals = chain_rows(model, cache, rows, logits, lengths)
+    for row, proposal in zip(rows, proposals, strict=True):
         row.draft_fed.extend(proposal[:-1])  # every draft but the last was fed
     return k
 

@@ -32,6 +32,8 @@ for its sliding layers everywhere, so a single sequence rolls back the same way.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -58,6 +60,9 @@ class RaggedKVCache:
         self.values = values
         self.window = window  # a sliding-window layer's size; None: full attention
         self.starts = list(starts) if starts is not None else [0] * len(self.lengths)
+        # per row, a length a later rollback must reach, however far it writes past it
+        # meanwhile (`pinned`: a chain of one-token draft forwards); None: none
+        self.pins: list[int] | None = None
 
     # ---- mlx-lm's cache protocol ------------------------------------------------
 
@@ -236,6 +241,8 @@ class RaggedKVCache:
         (older than the `window` before this forward, which any rollback keeps), shift
         every row left past its own such positions: one gather, every `window` tokens."""
         keep = self.window + SLIDE_SLACK
+        if self.pins is not None:  # a row keeps the window before its pin too
+            before = [min(b, pin) for b, pin in zip(before, self.pins, strict=True)]
         drop = [max(0, b - keep - s) for b, s in zip(before, self.starts, strict=True)]
         if max(drop) < self.window:
             return
@@ -406,6 +413,21 @@ def feed_chunk(model, cache: list[RaggedKVCache], targets: list[list[int]], step
     if any(chunks):
         feed_rows(model, cache, chunks)
     return list(cache[0].held)
+
+
+@contextmanager
+def pinned(cache: list, lengths: list[int]) -> Iterator[None]:
+    """While inside, forwards keep each windowed row able to roll back to `lengths[i]`:
+    a chain of one-token forwards (drafting k tokens) would otherwise slide a row past
+    the start of its chain once it writes more than SLIDE_SLACK + 1 positions."""
+    windowed = [layer for layer in cache if getattr(layer, "window", None) is not None]
+    for layer in windowed:
+        layer.pins = list(lengths)
+    try:
+        yield
+    finally:
+        for layer in windowed:
+            layer.pins = None
 
 
 def set_row_length(cache: list[RaggedKVCache], row: int, length: int) -> None:

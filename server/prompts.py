@@ -155,7 +155,7 @@ def apply_template(tokenizer: Any, escaper: Escaper, messages: list[dict], tools
 def fold_late_system_turns(messages: list[dict]) -> list[dict]:
     """System turns after the conversation started (Claude Code sends them; many
     templates allow a system turn only first) as text at the start of the next user
-    turn, or of a user turn of their own at the end. Leading system turns stay."""
+    turn, or at the end of the last one when none follows. Leading system turns stay."""
     lead = len(list(takewhile(lambda m: m["role"] in ("system", "developer"), messages)))
     folded, pending = list(messages[:lead]), []
     for message in messages[lead:]:
@@ -167,7 +167,10 @@ def fold_late_system_turns(messages: list[dict]) -> list[dict]:
             pending = []
         else:
             folded.append(message)
-    if pending:
+    if pending and folded and folded[-1]["role"] == "user":
+        last = folded[-1]
+        folded[-1] = {**last, "content": "\n\n".join([str(last.get("content") or ""), *pending])}
+    elif pending:
         folded.append({"role": "user", "content": "\n\n".join(pending)})
     return folded
 

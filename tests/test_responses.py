@@ -526,10 +526,11 @@ def test_store_counts_bytes_and_keeps_scopes_apart():
     ("extra", "param"),
     [
         (
-            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            {"input": [{"role": "user", "content": [{"type": "input_video", "video_url": "x"}]}]},
             "input[0].content",
         ),
-        ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]},
+         "tools"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 3}}}, "text.format"),

@@ -152,7 +152,7 @@ class SpeculationFields(BaseModel):
 
 
 class Metadata(SpeculationFields):
-    user_id: StrictStr | None = None  # only passed on; Claude Code's is a JSON string
+    user_id: Annotated[StrictStr, Field(max_length=256)] | None = None  # Anthropic's limit
 
 
 class OutputConfig(BaseModel):

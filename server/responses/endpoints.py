@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from itertools import count
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -47,128 +47,32 @@ from server.http import (
 from server.json_body import PiecewiseJSONResponse
 from server.output_parser import OutputParser
 from server.prompts import render_chat
+from server.responses.inputs import normalize_input, with_instructions
 from server.responses.output import OutputAssembler, assistant_turn, new_item_id
+from server.responses.reasoning import ENCRYPTED_CONTENT, ReasoningSealer
 from server.responses.schemas import (
-    FunctionCallItem,
-    FunctionCallOutputItem,
-    MessageItem,
-    OtherContent,
-    OtherItem,
-    OtherTool,
     ResponsesRequest,
-    TextContent,
 )
 from server.responses.store import ResponseStore, StoredResponse
+from server.responses.tools import ToolSet, tool_set
+from server.server_tools import note_skipped_tools
 from server.structured import (
     openai_tool_choice,
     output_constraint,
     responses_text_format,
 )
 
-ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-
 # --- request -> engine terms (pure) ------------------------------------------------
 
 
 def refuse_unsupported(body: ResponsesRequest) -> None:
     """Fields we understand but cannot honour are refused by name, never ignored."""
-    for index, tool in enumerate(body.tools or []):
-        if isinstance(tool, OtherTool):
-            raise bad_request(
-                f"tools[{index}] is a '{tool.type}' tool; this server offers function tools "
-                "only (your code runs them)",
-                f"tools[{index}]",
-            )
     if body.background:
         raise bad_request("background responses are not supported", "background")
     if body.conversation is not None:
         raise bad_request(
             "conversation objects are not supported; use previous_response_id", "conversation"
         )
-
-
-def content_text(content: str | list, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    texts = []
-    for part in content:
-        if isinstance(part, OtherContent):
-            raise bad_request(
-                f"{param} has an '{part.type}' part; this model accepts text only", param
-            )
-        texts.append(part.text if isinstance(part, TextContent) else part.refusal)
-    return "".join(texts)
-
-
-def call_arguments(arguments: str, param: str) -> dict:
-    """Chat templates render tool-call arguments as objects, not JSON text."""
-    try:
-        value = json.loads(arguments) if arguments.strip() else {}
-    except (ValueError, RecursionError) as exc:  # also a 4300+ digit integer
-        raise bad_request(f"{param}.arguments must be a JSON object: {exc}", param) from exc
-    if not isinstance(value, dict):
-        raise bad_request(f"{param}.arguments must be a JSON object", param)
-    return value
-
-
-def item_message(item: Any, param: str) -> dict | None:
-    """One input item as a chat message; None for items that render as nothing."""
-    if isinstance(item, MessageItem):
-        return {"role": ROLES[item.role], "content": content_text(item.content, f"{param}.content")}
-    if isinstance(item, FunctionCallItem):
-        call = {"name": item.name, "arguments": call_arguments(item.arguments, param)}
-        return {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [{"id": item.call_id, "type": "function", "function": call}],
-        }
-    if isinstance(item, FunctionCallOutputItem):
-        output = content_text(item.output, f"{param}.output")
-        return {"role": "tool", "tool_call_id": item.call_id, "content": output}
-    if isinstance(item, OtherItem):
-        raise bad_request(
-            f"{param} is a '{item.type}' item, which this server does not serve", param
-        )
-    return None
-
-
-def append_message(messages: list[dict], message: dict) -> None:
-    """A function call joins the assistant turn it follows, as chat's tool_calls do."""
-    last = messages[-1] if messages else None
-    joins = message.get("tool_calls") and not message["content"]
-    if joins and last is not None and last["role"] == "assistant":
-        last["tool_calls"] = [*last.get("tool_calls", []), *message["tool_calls"]]
-    else:
-        messages.append(message)
-
-
-def normalize_input(value: str | list, param: str = "input") -> list[dict]:
-    """Responses input -> the plain message dicts chat templates expect."""
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    messages: list[dict] = []
-    for index, item in enumerate(value):
-        message = item_message(item, f"{param}[{index}]")
-        if message is not None:
-            append_message(messages, message)
-    return messages
-
-
-def chat_tools(body: ResponsesRequest) -> list | None:
-    """Flat Responses function tools -> the chat shape templates and parsers expect."""
-    if not body.tools or body.tool_choice == "none":
-        return None
-    return [
-        {"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type"})}
-        for tool in body.tools
-    ]
-
-
-def with_instructions(instructions: str | None, conversation: list[dict]) -> list[dict]:
-    """Instructions are this request's system prompt; they are not carried to follow-ups."""
-    if not instructions:
-        return conversation
-    return [{"role": "system", "content": instructions}, *conversation]
 
 
 # --- the store of recent responses ----------------------------------------------------
@@ -180,6 +84,14 @@ def store_of(request: Request) -> ResponseStore:
     if getattr(state, "responses_store", None) is None:
         state.responses_store = ResponseStore(max_bytes=config_of(request).responses_store_bytes)
     return state.responses_store
+
+
+def sealer_of(request: Request) -> ReasoningSealer:
+    """The app's reasoning sealer, made on first use; its key lives in memory only."""
+    state = request.app.state
+    if getattr(state, "reasoning_sealer", None) is None:
+        state.reasoning_sealer = ReasoningSealer()
+    return state.reasoning_sealer
 
 
 def scope_of(request: Request) -> str:
@@ -231,6 +143,8 @@ class ResponsesJob:
     tools: list | None  # chat-shaped, for the output parser
     starts_in_reasoning: bool
     scope: str  # the caller's store scope
+    toolset: ToolSet = field(default_factory=ToolSet)  # how calls become output items
+    seal: Callable[[str], str] | None = None  # reasoning -> encrypted_content, if asked
     created_at: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -274,10 +188,12 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
     config, info = config_of(request), model_info_of(request)
     scope = scope_of(request)
     conversation = previous_conversation(store_of(request), scope, body.previous_response_id)
-    conversation += normalize_input(body.input)
+    sealer = sealer_of(request)
+    conversation += normalize_input(body.input, opener=partial(sealer.open, scope))
     if not conversation:
         raise bad_request("input has no message to answer", "input")
-    tools = chat_tools(body)
+    toolset = tool_set(body.tools, body.tool_choice)
+    tools = toolset.chat_tools or None
     markers = output_markers(request)
     rendered = render_chat(
         info.tokenizer,
@@ -309,7 +225,10 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
         config.tool_call_grammar == "auto",
     )
     gen = replace(gen, constraint=constraint, checkpoints=rendered.checkpoints)
-    return ResponsesJob(gen, model, body, conversation, tools, rendered.starts_in_reasoning, scope)
+    seal = partial(sealer.seal, scope) if ENCRYPTED_CONTENT in (body.include or ()) else None
+    return ResponsesJob(
+        gen, model, body, conversation, tools, rendered.starts_in_reasoning, scope, toolset, seal
+    )
 
 
 def remember(store: ResponseStore, job: ResponsesJob, items: list[dict], result: dict) -> None:
@@ -333,6 +252,7 @@ async def create_response(request: Request) -> Response:
     body = await parse_body(request, ResponsesRequest)
     model = check_model(config_of(request), body.model)
     job = await off_the_loop(to_job, request, body, model)
+    note_skipped_tools(request.app.state.metrics, "responses", job.toolset.skipped)
     stream = submit(request, job.gen)
     parser = OutputParser(output_markers(request), job.tools, job.starts_in_reasoning)
     store = store_of(request)
@@ -351,7 +271,7 @@ def finished_response(
     """A finished generation's response, its items built as the stream would build them,
     stored, and serialized (all of which runs in a worker thread)."""
     last, status = events[-1], final_status(events[-1])
-    assembler = OutputAssembler()
+    assembler = OutputAssembler(job.toolset, job.seal)
     for event in events:
         assembler.feed(parser.step(event.text, event.final))
     assembler.finish(status)
@@ -390,7 +310,7 @@ async def response_events(
     ]
     for line in framed(opening, numbers):
         yield line
-    assembler = OutputAssembler()
+    assembler = OutputAssembler(job.toolset, job.seal)
     try:
         async for event in events:
             payloads = assembler.feed(parser.step(event.text, event.final))

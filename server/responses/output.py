@@ -1,15 +1,18 @@
 """Output items of a Responses API response and the stream events that build them.
 
-`OutputAssembler` turns parsed deltas into reasoning, message and function_call items,
-step by step, so streamed and non-streamed responses come from one code path.
+`OutputAssembler` turns parsed deltas into reasoning, message and tool call items
+(function, custom, local shell: see `server/responses/tools.py`), step by step, so
+streamed and non-streamed responses come from one code path.
 """
 
 from __future__ import annotations
 
 import copy
 import uuid
+from collections.abc import Callable
 
 from server.output_parser import ParsedDelta, ToolCall
+from server.responses.tools import ToolSet, call_item, chat_tool_call
 
 
 def new_item_id(prefix: str) -> str:
@@ -49,9 +52,13 @@ class OutputAssembler:
     them (without sequence numbers). Text goes to the open reasoning or message item,
     opening a new one when the kind changes; a function call arrives whole."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, tools: ToolSet | None = None, seal: Callable[[str], str] | None = None
+    ) -> None:
         self.items: list[dict] = []
         self._open: dict | None = None  # the reasoning or message item receiving text
+        self._tools = tools or ToolSet()
+        self._seal = seal  # reasoning text -> encrypted_content, when the client asked
 
     def feed(self, delta: ParsedDelta) -> list[dict]:
         events = []
@@ -98,6 +105,8 @@ class OutputAssembler:
             return []
         item["status"] = status
         part = item["content"][0]
+        if item["type"] == "reasoning" and self._seal is not None:
+            item["encrypted_content"] = self._seal(part["text"])
         where = {**self._where(item), "content_index": 0}
         done = {"type": f"{EVENT_PREFIX[item['type']]}.done", **where, "text": part["text"]}
         if item["type"] == "message":
@@ -106,29 +115,36 @@ class OutputAssembler:
         return [done, part_done, self._item_event("response.output_item.done", item)]
 
     def _add_call(self, call: ToolCall) -> list[dict]:
-        item = {
-            "type": "function_call",
-            "id": new_item_id("fc"),
-            "call_id": call.id,
-            "name": call.name,
-            "arguments": "",
-            "status": "in_progress",
-        }
-        self.items.append(item)
-        added = self._item_event("response.output_item.added", item)
-        where = self._where(item)
-        item.update(arguments=call.arguments, status="completed")
-        return [
-            added,
-            {"type": "response.function_call_arguments.delta", **where, "delta": call.arguments},
-            {
-                "type": "response.function_call_arguments.done",
-                **where,
-                "name": call.name,
-                "arguments": call.arguments,
-            },
-            self._item_event("response.output_item.done", item),
-        ]
+        """A call arrives whole: added (in progress, its argument text empty), the
+        argument text as one delta and done, then the item done."""
+        done = call_item(call, self._tools, new_item_id("fc"))
+        text_field = {"function_call": "arguments", "custom_tool_call": "input"}.get(done["type"])
+        started = {**done, "status": "in_progress"}
+        if text_field:
+            started[text_field] = ""
+        self.items.append(started)
+        added = self._item_event("response.output_item.added", started)
+        where = self._where(started)
+        started.update(done)
+        events = [added]
+        if done["type"] == "function_call":
+            arguments = done["arguments"]
+            events += [
+                {"type": "response.function_call_arguments.delta", **where, "delta": arguments},
+                {
+                    "type": "response.function_call_arguments.done",
+                    **where,
+                    "name": done["name"],
+                    "arguments": arguments,
+                },
+            ]
+        elif done["type"] == "custom_tool_call":
+            text = done["input"]
+            events += [
+                {"type": "response.custom_tool_call_input.delta", **where, "delta": text},
+                {"type": "response.custom_tool_call_input.done", **where, "input": text},
+            ]
+        return [*events, self._item_event("response.output_item.done", started)]
 
     def _item_event(self, kind: str, item: dict) -> dict:
         return {"type": kind, "output_index": self.items.index(item), "item": copy.deepcopy(item)}
@@ -140,16 +156,5 @@ def assistant_turn(items: list[dict]) -> dict:
     text = "".join(
         part["text"] for item in items if item["type"] == "message" for part in item["content"]
     )
-    calls = [
-        {
-            "id": item["call_id"],
-            "type": "function",
-            "function": {
-                "name": item["name"],
-                "arguments": ToolCall(item["name"], item["arguments"]).arguments_object(),
-            },
-        }
-        for item in items
-        if item["type"] == "function_call"
-    ]
+    calls = [call for call in map(chat_tool_call, items) if call is not None]
     return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}

@@ -73,13 +73,28 @@ def message_text(message: ChatMessage, index: int) -> str:
         return content or ""
     texts = []
     for part in content:
-        if not isinstance(part, TextPart):
+        if isinstance(part, TextPart):
+            texts.append(part.text)
+        elif part.type in MEDIA_PARTS:
+            texts.append(media_placeholder(MEDIA_PARTS[part.type]))
+        else:
             raise bad_request(
-                f"messages[{index}] has a '{part.type}' content part; this model accepts text only",
+                f"messages[{index}] has a '{part.type}' content part, which this server does "
+                "not serve",
                 f"messages[{index}].content",
             )
-        texts.append(part.text)
     return "".join(texts)
+
+
+# Chat content parts this model cannot take in: read as a placeholder, so that an
+# agent's session goes on when a tool returns a screenshot (a 400 would fail every
+# later turn, since the part stays in the conversation).
+MEDIA_PARTS = {"image_url": "image", "input_audio": "audio", "file": "file"}
+
+
+def media_placeholder(kind: str) -> str:
+    """What the model reads in place of an image, audio or file it cannot take in."""
+    return f"[{kind} omitted: this model reads text only]"
 
 
 @dataclass

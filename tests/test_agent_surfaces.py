@@ -12,9 +12,8 @@ import time
 
 import pytest
 
-from server.anthropic.prompt import media_placeholder
 from server.keepalive import with_keepalive
-from server.prompts import fold_late_system_turns
+from server.prompts import fold_late_system_turns, media_placeholder
 from tests.clients import forced_scheduler
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
 
@@ -554,3 +553,16 @@ def test_reasoning_text_goes_with_the_assistant_turn_that_follows_it():
     assert assistant["reasoning_content"] == "hmm"
     assert assistant["tool_calls"][0]["function"]["name"] == "crm.lookup"
     assert tool == {"role": "tool", "tool_call_id": "c", "content": "ok"}
+
+
+async def test_chat_images_read_as_a_placeholder(scheduler):
+    def chat_with(part: dict) -> dict:
+        return {"messages": [{"role": "user", "content": [part]}], "max_tokens": 2}
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}
+    text = {"type": "text", "text": media_placeholder("image")}
+    async with make_client(scheduler) as http:
+        shown = await http.post(CHAT, json=chat_with(image))
+        written = await http.post(CHAT, json=chat_with(text))
+    assert shown.status_code == 200, shown.text
+    assert shown.json()["usage"]["prompt_tokens"] == written.json()["usage"]["prompt_tokens"]

@@ -331,12 +331,12 @@ async def test_count_tokens_bad_input_is_400_in_anthropic_shape(http, body):
     [
         {"type": "computer_call", "id": "c"},
         {"type": 7},
-        {"type": "message", "role": "user", "content": [{"type": "input_file", "file_id": "f"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_video", "file_id": "f"}]},
         {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1, 2]"},
         {"type": "function_call_output", "call_id": "c", "output": 5},
         {"role": "wizard", "content": "x"},
     ],
-    ids=["unknown-type", "int-type", "file-part", "list-arguments", "int-output", "role"],
+    ids=["unknown-type", "int-type", "video-part", "list-arguments", "int-output", "role"],
 )
 async def test_responses_bad_input_items_are_400(http, item):
     response = await http.post(RESPONSES, json={"input": [item], "max_output_tokens": 2})

@@ -53,7 +53,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": USER, "response_format": {"type": "xml"}}, 400, "response_format"),
     (
         CHAT,
-        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]},
         400,
         "messages[0].content",
     ),

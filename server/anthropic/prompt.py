@@ -32,16 +32,17 @@ from server.anthropic.schemas import (
     ToolUseBlock,
 )
 from server.errors import ApiError, bad_request
-from server.prompts import RenderedChat, common_prefix_length, extend_chat, render_chat
+from server.prompts import (
+    RenderedChat,
+    common_prefix_length,
+    extend_chat,
+    media_placeholder,
+    render_chat,
+)
 from server.server_tools import server_tool_kind
 
 TEXT_JOIN = "\n"  # between consecutive text blocks of one turn, as vLLM joins text parts
 MEDIA_BLOCKS = ("image", "document")
-
-
-def media_placeholder(kind: str) -> str:
-    """What the model reads in place of an image or a document it cannot see."""
-    return f"[{kind} omitted: this model reads text only]"
 
 
 def misplaced_block(kind: str, where: str, role: str) -> ApiError:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from server.errors import bad_request
+from server.prompts import media_placeholder
 from server.responses.schemas import (
     CustomToolCallItem,
     FunctionCallItem,
@@ -35,11 +36,6 @@ CALL_ITEMS = (FunctionCallItem, CustomToolCallItem, LocalShellCallItem)
 OUTPUT_ITEMS = (FunctionCallOutputItem, ToolOutputItem)
 
 Opener = Callable[[str], str | None]  # encrypted_content -> reasoning text, or None
-
-
-def media_placeholder(kind: str) -> str:
-    """What the model reads in place of an image, file or audio it cannot take in."""
-    return f"[{kind} omitted: this model reads text only]"
 
 
 def content_text(content: str | list, param: str) -> str:

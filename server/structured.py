@@ -81,12 +81,12 @@ def _schema_of(spec: dict, param: str) -> dict:
 def openai_tool_choice(choice: Any) -> tuple[bool, str | None]:
     """(forced, tool name) from an OpenAI tool_choice: 'auto' / 'none' / 'required', or
     a named function (chat: {"type": "function", "function": {"name"}}; Responses:
-    {"type": "function", "name"})."""
+    {"type": "function" | "custom", "name"})."""
     if choice in (None, "auto", "none"):
         return False, None
     if choice == "required":
         return True, None
-    if isinstance(choice, dict) and choice.get("type") == "function":
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         function = choice.get("function")
         name = function.get("name") if isinstance(function, dict) else choice.get("name")
         if isinstance(name, str) and name:

@@ -566,3 +566,27 @@ async def test_chat_images_read_as_a_placeholder(scheduler):
         written = await http.post(CHAT, json=chat_with(text))
     assert shown.status_code == 200, shown.text
     assert shown.json()["usage"]["prompt_tokens"] == written.json()["usage"]["prompt_tokens"]
+
+
+async def test_a_forced_custom_tool_with_a_regex_grammar_writes_a_matching_input(scheduler):
+    """The random tiny model writes anything it may: the grammar decides what it may."""
+    import re
+
+    tool = {
+        "type": "custom",
+        "name": "set_code",
+        "format": {"type": "grammar", "syntax": "regex", "definition": "[a-c]{2,4}-[0-9]{2}"},
+    }
+    body = {
+        "model": MODEL_NAME,
+        "input": "Pick a code.",
+        "tools": [tool],
+        "tool_choice": {"type": "custom", "name": "set_code"},
+        "max_output_tokens": 60,
+    }
+    async with make_client(scheduler) as http:
+        replies = [await http.post(RESPONSES, json={**body, "seed": seed}) for seed in range(3)]
+    for reply in replies:
+        assert reply.status_code == 200, reply.text
+        (call,) = [i for i in reply.json()["output"] if i["type"] == "custom_tool_call"]
+        assert re.fullmatch(r"[a-c]{2,4}-[0-9]{2}", call["input"]), call["input"]

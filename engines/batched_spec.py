@@ -47,20 +47,15 @@ from engines.batched_drafting import BatchRow, DraftModelRows, plan_rows
 from engines.batched_mtp import BatchedMTP
 from engines.batched_pipeline import InFlight, pipelinable, queue_plain
 from engines.batched_verify import accept_rows, commit_row, process_rows
+from engines.containment import failed_outputs, involved, join_rows
 from engines.drafters import DRAFT, MTP, PLD, DraftState, PromptLookupDrafter
+from engines.faults import check
 from engines.mtp_drafter import MTPState
-from engines.prefill_groups import PrefillGroup, first_tokens, next_group
-from engines.ragged_cache import (
-    RaggedKVCache,
-    extend_rows,
-    feed_chunk,
-    ragged_from_rows,
-    remove_rows,
-)
+from engines.prefill_groups import PrefillGroup, next_group, prefill_chunk, take_ready
+from engines.ragged_cache import RaggedKVCache, ragged_from_rows, remove_rows
 from engines.ragged_recurrent import is_recurrent
 from engines.registry import ModelRegistry
-from engines.request import next_checkpoint
-from engines.rollback import capturing_inputs, roll_back_rows, take_snapshot
+from engines.rollback import capturing_inputs, restore_rows, roll_back_rows, take_snapshot
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.spec_state import SequenceState, SpecConfig
 from engines.speculative import SpeculativeEngine
@@ -93,6 +88,7 @@ class BatchedSpeculativeEngine:
         self.limits = speculative.limits  # a migrating request keeps its limits
         self.costs = costs or BatchCosts(speculative.cost, learn=speculative.costs.learn)
         self.prefill_step_size = prefill_step_size
+        self.contain = registry.lockstep is None  # a failure stays with its rows (`containment`)
         self.rows: list[BatchRow] = []
         self.cache: list[RaggedKVCache] = []
         self.draft_cache: list[RaggedKVCache] | None = None
@@ -154,6 +150,7 @@ class BatchedSpeculativeEngine:
         draft_rows = drafter.join(row, state.draft, state.mtp) if drafter else None
         ready = state.cached == len(seq.all_tokens) - 1
         if ready and seq.generated and not self.groups:
+            check([row], "insert")
             self.settled += self._settle_in_flight()  # rows join only a settled batch
             self._join([row], [list(state.cache)], draft_rows)
             return
@@ -161,11 +158,14 @@ class BatchedSpeculativeEngine:
         cache = ragged_from_rows([list(state.cache)])
         draft = ragged_from_rows([draft_rows]) if draft_rows is not None else None
         if group is None:
+            check([row], "insert")
             fed_with_target = drafter is not None and drafter.fed_with_target
             self.groups.append(PrefillGroup([row], cache, draft, fed_with_target))
             return
-        extend_rows([*group.cache, *(group.draft_cache or [])], [*cache, *(draft or [])])
-        group.rows.append(row)
+        layers = [*group.cache, *(group.draft_cache or [])]
+        join_rows(
+            group.rows, layers, [row], [*cache, *(draft or [])], lambda: check([row], "insert")
+        )
 
     admit = insert
 
@@ -181,11 +181,13 @@ class BatchedSpeculativeEngine:
     def _merge(
         self, rows: list[BatchRow], cache: list[RaggedKVCache], draft: list[RaggedKVCache] | None
     ) -> None:
+        """Rows join the running batch, all or nothing (`containment.join_rows`)."""
         if not self.rows:
+            check(rows, "merge")
             self.rows, self.cache, self.draft_cache = list(rows), cache, draft
             return
-        extend_rows([*self.cache, *(self.draft_cache or [])], [*cache, *(draft or [])])
-        self.rows.extend(rows)  # after the caches: rows that cannot join change nothing
+        layers = [*self.cache, *(self.draft_cache or [])]
+        join_rows(self.rows, layers, rows, [*cache, *(draft or [])], lambda: check(rows, "merge"))
 
     def extract(self, request_id: str) -> SequenceState:
         """Leave with the target cache of every committed token but the newest, and the
@@ -198,7 +200,7 @@ class BatchedSpeculativeEngine:
                     cached = group.cache[0].held[i]
                     cache = [layer.extract(i) for layer in group.cache]
                     draft, mtp = self._drafter_states(group.draft_cache, group.rows, i)
-                    self._leave_group(group, i)
+                    self._leave_group(group, [i])
                     return SequenceState(row.seq, cache, cached, row.gates, row.pld, draft, mtp)
         assert self.in_flight is None, "settle() the batch before a row leaves it"
         index = self._index(request_id)
@@ -220,7 +222,7 @@ class BatchedSpeculativeEngine:
             for i, row in enumerate(group.rows):
                 if row.seq.request_id == request_id:
                     row.seq.finish_reason = FinishReason.CANCELLED
-                    self._leave_group(group, i)
+                    self._leave_group(group, [i])
                     return True
         for i, row in enumerate(self.rows):
             if row.seq.request_id == request_id:
@@ -229,8 +231,8 @@ class BatchedSpeculativeEngine:
                 return True
         return False
 
-    def _leave_group(self, group: PrefillGroup, index: int) -> None:
-        remove_rows(group.rows, group.cache, group.draft_cache, [index])
+    def _leave_group(self, group: PrefillGroup, indices: list[int]) -> None:
+        remove_rows(group.rows, group.cache, group.draft_cache, indices)
         if not group.rows:
             self.groups.remove(group)
 
@@ -377,46 +379,35 @@ class BatchedSpeculativeEngine:
         group = next_group(self.groups)
         group.started = True
         started = time.perf_counter()
-        before = list(group.cache[0].held)
-        targets = [
-            r.tokens[: self._prefill_end(r, held)]
-            for r, held in zip(group.rows, before, strict=True)
-        ]
-        after = feed_chunk(self.model, group.cache, targets, self.prefill_step_size)
-        if group.draft_cache is not None:
-            self.model_drafter.prefill(group.rows, group.draft_cache, before, after)
-        # Evaluate all of it now, so no later step's timing absorbs this prefill.
-        layers = [*group.cache, *(group.draft_cache or [])]
-        mx.eval([layer.state for layer in layers if layer.nbytes])
-        self.forward_seconds += time.perf_counter() - started
-        if self.checkpoint_prompts:
-            self.checkpoints += group.checkpoints(before)
-        ready = [i for i, row in enumerate(group.rows) if group.prefilled(i)]
+        checkpoints = self.checkpoints if self.checkpoint_prompts else None
+        try:
+            ready, outputs = prefill_chunk(
+                self.model, self.model_drafter, self.mtp, group, self.prefill_step_size, checkpoints
+            )
+        except Exception as exc:  # noqa: BLE001 - the group's rows fail, the batch goes on
+            if not self.contain:
+                raise
+            failed = involved(exc, group.rows)
+            rows = [group.rows[i] for i in failed]
+            self._leave_group(group, failed)
+            return failed_outputs(rows, exc, "a prefill chunk")
+        finally:
+            self.forward_seconds += time.perf_counter() - started
         if not ready:
             return []
-        started = time.perf_counter()
-        outputs = first_tokens(self.model, self.mtp, group, ready)
-        self.forward_seconds += time.perf_counter() - started
         joined = len(self.rows)
-        if len(ready) == len(group.rows):
-            self.groups.remove(group)
-            self._merge(group.rows, group.cache, group.draft_cache)
-        else:  # short prompts start decoding while long ones keep prefilling
-            rows = [group.rows[i] for i in ready]
-            cache = [layer.take(ready) for layer in group.cache]
-            draft = [layer.take(ready) for layer in group.draft_cache or []] or None
-            remove_rows(group.rows, group.cache, group.draft_cache, ready)
+        rows, cache, draft = take_ready(self.groups, group, ready)
+        try:
             self._merge(rows, cache, draft)
+        except Exception as exc:  # noqa: BLE001 - the joining rows fail, the batch goes on
+            if not self.contain:
+                raise
+            return outputs + failed_outputs(rows, exc, "joining the batch")
         done = {o.request_id for o in outputs if o.finish_reason is not None}
         self._release(
             [i for i in range(joined, len(self.rows)) if self.rows[i].seq.request_id in done]
         )
         return outputs
-
-    def _prefill_end(self, row: BatchRow, held: int) -> int:
-        """Where the row's prefill stops next: its prompt's end, or a checkpoint."""
-        end = len(row.tokens) - 1
-        return next_checkpoint(row.seq.request, held, end) if self.checkpoint_prompts else end
 
     # ---- planning -----------------------------------------------------------------------
 
@@ -444,10 +435,20 @@ class BatchedSpeculativeEngine:
         lengths = list(self.cache[0].held)
         inputs = mx.array([fed + [0] * (width - len(fed)) for fed in fed_rows])
         snapshot = take_snapshot(self.cache)  # None unless rows hold recurrent state
-        with capturing_inputs(self.registry.target.model, self.cache, snapshot):
-            logits = self.model(inputs, cache=self.cache)
-        logprobs = process_rows(self.rows, logits, fed_rows)
-        decisions = accept_rows(self.rows, logprobs, fed_rows)
+        try:
+            with capturing_inputs(self.registry.target.model, self.cache, snapshot):
+                logits = self.model(inputs, cache=self.cache)
+            logprobs = process_rows(self.rows, logits, fed_rows)
+            decisions = accept_rows(self.rows, logprobs, fed_rows)
+            check(self.rows, "verify")
+        except Exception as exc:  # noqa: BLE001 - undo the forward; its rows fail, not all
+            if not self.contain:
+                raise
+            restore_rows(self.cache, snapshot, lengths)
+            failed = involved(exc, self.rows)
+            outputs = failed_outputs([self.rows[i] for i in failed], exc, "a verify")
+            self._drop(failed)
+            return outputs
         if self.mtp is not None:  # each row's kept positions, with the token after each
             following = [
                 [*fed[1 : 1 + a], t] for fed, (a, t) in zip(fed_rows, decisions, strict=True)

@@ -21,8 +21,9 @@ from mlx_lm.models.cache import can_trim_prompt_cache
 
 from engines.batched_drafting import BatchRow
 from engines.batched_verify import accept_rows, commit_row, process_rows
-from engines.ragged_cache import RaggedKVCache, feed_rows
-from engines.request import at_checkpoint
+from engines.faults import check
+from engines.ragged_cache import RaggedKVCache, feed_chunk, feed_rows, remove_rows
+from engines.request import at_checkpoint, next_checkpoint
 from engines.sequence import StepOutput
 from engines.spec_state import SequenceState
 
@@ -113,3 +114,49 @@ def first_tokens(
             gate.plain_token()
         outputs.append(commit_row(row, [token], logprobs[j]))
     return outputs
+
+
+def prefill_chunk(
+    model, drafter, mtp: BatchedMTP | None, group: PrefillGroup, chunk: int, checkpoints
+) -> tuple[list[int], list[StepOutput]]:
+    """Feed the group's rows their next `chunk` of prompt (target and draft caches,
+    up to a prompt checkpoint when `checkpoints`, a list, collects them); the rows whose
+    prompts are then in get their first tokens: (their indices, outputs)."""
+    before = list(group.cache[0].held)
+    targets = [
+        r.tokens[: _prefill_end(r, held, checkpoints is not None)]
+        for r, held in zip(group.rows, before, strict=True)
+    ]
+    after = feed_chunk(model, group.cache, targets, chunk)
+    if group.draft_cache is not None:
+        drafter.prefill(group.rows, group.draft_cache, before, after)
+    # Evaluate all of it now, so no later step's timing absorbs this prefill.
+    layers = [*group.cache, *(group.draft_cache or [])]
+    mx.eval([layer.state for layer in layers if layer.nbytes])
+    check(group.rows, "prefill")
+    if checkpoints is not None:
+        checkpoints += group.checkpoints(before)
+    ready = [i for i, row in enumerate(group.rows) if group.prefilled(i)]
+    return ready, first_tokens(model, mtp, group, ready) if ready else []
+
+
+def _prefill_end(row: BatchRow, held: int, checkpoint: bool) -> int:
+    """Where the row's prefill stops next: its prompt's end, or a checkpoint."""
+    end = len(row.tokens) - 1
+    return next_checkpoint(row.seq.request, held, end) if checkpoint else end
+
+
+def take_ready(
+    groups: list[PrefillGroup], group: PrefillGroup, ready: list[int]
+) -> tuple[list[BatchRow], list, list | None]:
+    """The `ready` rows of `group` with their target and draft cache rows, taken out
+    of it (the group leaves `groups` when all its rows are ready)."""
+    rows = [group.rows[i] for i in ready]
+    if len(ready) == len(group.rows):
+        groups.remove(group)
+        return rows, group.cache, group.draft_cache
+    # short prompts start decoding while long ones keep prefilling
+    cache = [layer.take(ready) for layer in group.cache]
+    draft = [layer.take(ready) for layer in group.draft_cache or []] or None
+    remove_rows(group.rows, group.cache, group.draft_cache, ready)
+    return rows, cache, draft

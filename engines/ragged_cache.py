@@ -357,6 +357,13 @@ def extend_rows(layers: list, extra: list) -> None:
     """Append `extra`'s rows to `layers`' (target and draft layers, in the same order).
     Every pair is checked before any layer changes, so rows that cannot join leave
     the batch's caches as they were."""
+    check_joinable(layers, extra)
+    for layer, more in zip(layers, extra, strict=True):
+        layer.extend(more)
+
+
+def check_joinable(layers: list, extra: list) -> None:
+    """Raise unless `extra`'s layers can join `layers`' one for one."""
     if len(layers) != len(extra):
         raise ValueError(f"{len(extra)} layers of rows cannot join {len(layers)}")
     for layer, more in zip(layers, extra, strict=True):
@@ -364,8 +371,6 @@ def extend_rows(layers: list, extra: list) -> None:
             raise ValueError("a recurrent layer's rows join only a recurrent layer")
         if getattr(layer, "window", None) != getattr(more, "window", None):
             raise ValueError("rows of one layer share its window")
-    for layer, more in zip(layers, extra, strict=True):
-        layer.extend(more)
 
 
 def remove_rows(rows: list, cache: list, draft: list | None, indices: list[int]) -> None:

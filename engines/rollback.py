@@ -155,6 +155,17 @@ def roll_back_rows(
     finish_rows(cache)
 
 
+def restore_rows(cache: list, snapshot: CacheSnapshot | None, before: list[int]) -> None:
+    """Undo a batched forward that started with row i holding `before[i]` tokens (it
+    failed part-way, or its result is dropped): KV layers cut their rows back,
+    recurrent layers take their state from `snapshot` (taken before the forward)."""
+    for i, layer in enumerate(cache):
+        if isinstance(layer, RaggedArraysCache):
+            _restore(layer, snapshot.layers[i])
+        else:
+            layer.set_lengths(before)
+
+
 def _rerun_captured(cache: list, captured: dict[int, tuple[Any, mx.array]], width: int) -> None:
     """Feed each captured recurrent layer its first `width` inputs again, on its
     restored state; only the cache is evaluated, so MLX computes just what updates it.

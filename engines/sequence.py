@@ -49,6 +49,7 @@ class Sequence:
     matched_stop: str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
     inject_fault: bool = False  # test hook (--inject-fault-on): commit raises mid-generation
+    fault_at: str | None = None  # test hook: the batched engine's point to fail at (faults.py)
     processors: list = field(default_factory=list)  # logits processors: (tokens, logits) -> logits
 
     def __post_init__(self) -> None:

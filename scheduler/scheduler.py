@@ -26,6 +26,7 @@ from engines.batched import BatchedEngine
 from engines.batched_spec import BatchedSpeculativeEngine
 from engines.draft_vocab import vocabulary_of
 from engines.errors import ContextTooLong, InvalidRequest, QueueFull, ServerNotReady
+from engines.faults import arm
 from engines.prefix_cache import ASSISTANT, SYSTEM, USER, PrefixCache
 from engines.prompt_scoring import PromptScorer
 from engines.registry import ModelRegistry
@@ -38,6 +39,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
 from scheduler.loading import ModelInfo, load_model
 from scheduler.observer import NullObserver, SchedulerObserver, log_request
+from scheduler.pausing import Pausing
 from scheduler.policy import Mode, ModePolicy
 from scheduler.scoring import ScoringQueue, scoring_budget
 from scheduler.stream import RequestStream, TokenEvent
@@ -56,7 +58,7 @@ class SchedulerState(str, enum.Enum):
     STOPPED = "stopped"
 
 
-class Scheduler:
+class Scheduler(Pausing):
     def __init__(self, config: SchedulerConfig, observer: SchedulerObserver | None = None) -> None:
         self.config = config
         self.observer: SchedulerObserver = observer or NullObserver()
@@ -423,49 +425,6 @@ class Scheduler:
         self._expire_timeouts()
         self._apply_backpressure()
 
-    def _apply_backpressure(self) -> None:
-        """Pause running streams whose clients stopped reading (the sequence leaves the
-        engine with its KV cache, freeing the slot), resume them once read, and cancel
-        those paused past `unread_timeout`. Only models whose caches roll back pause."""
-        policy = self._backpressure
-        if not policy.enabled or not self.rows_roll_back or self._spec is None:
-            return
-        now = time.monotonic()
-        engine = self._engine()
-        in_engine = set(engine.active_ids) if engine is not None else set()
-        unread = [(rid, t.unread) for rid, t in self._running.items() if rid in in_engine]
-        for request_id in policy.to_pause(unread):
-            self._pause(self._running.get(request_id), engine, now)
-        for request_id, tracked in list(self._paused.items()):
-            if policy.can_resume(tracked.unread):
-                del self._paused[request_id]
-                self._waiting.appendleft(tracked)
-            elif policy.expired(tracked.paused_at, now):
-                del self._paused[request_id]
-                tracked.parked = None
-                self._finish(
-                    tracked,
-                    FinishReason.CANCELLED,
-                    error=f"the client stopped reading this stream for {policy.timeout:g}s",
-                    error_kind="aborted",
-                )
-
-    def _pause(self, tracked: TrackedRequest | None, engine, now: float) -> None:
-        if tracked is None:
-            return  # finished: an earlier pause's settle committed its last token
-        request_id = tracked.request.request_id
-        if self._mode == Mode.SPECULATIVE:
-            state, outputs = engine.export()
-        else:  # a plain step in flight is committed first (`settle`)
-            outputs = engine.settle()
-            state = engine.extract(request_id) if request_id in engine.active_ids else None
-        for output in outputs:
-            self._publish(output)
-        if self._running.pop(request_id, None) is None:
-            return  # its last token, committed on the way out, finished it
-        tracked.parked, tracked.paused_at = state, now
-        self._paused[request_id] = tracked
-
     def _expire_timeouts(self) -> None:
         """Requests past --request-timeout end with a timeout error, freeing their slot."""
         limit = self.config.request_timeout
@@ -553,7 +512,8 @@ class Scheduler:
                 grammar = self.model_info.grammar
                 extra.append(grammar.processor(tracked.request.constraint, len(prompt)))
             tracked.seq = make_sequence(tracked.request, self.registry.tokenizer, extra)
-            tracked.seq.inject_fault = self._matches_fault_marker(prompt)
+            marker = self.config.fault_marker  # a test hook (`engines.faults`)
+            arm(tracked.seq, marker, self.registry.tokenizer.decode(prompt) if marker else "")
             if tracked.request.prompt_logprobs is not None:
                 # Scored a chunk per iteration (`_score_step`), then it joins the engine.
                 top = tracked.request.prompt_logprobs
@@ -580,11 +540,7 @@ class Scheduler:
     def _resume(self, tracked: TrackedRequest, engine) -> None:
         """A paused request goes back into the engine where it stopped."""
         state, tracked.parked, tracked.paused_at = tracked.parked, None, None
-        try:
-            engine.admit(state)
-        except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
-            log.exception("request %s could not resume", tracked.request.request_id)
-            self._finish(tracked, FinishReason.ERROR, error=str(exc))
+        if not self._admitted(tracked, engine, state):
             return
         self._running[tracked.request.request_id] = tracked
         if tracked.modes[-1:] != [self._mode.value]:
@@ -616,19 +572,22 @@ class Scheduler:
             del self._running[tracked.request.request_id]
             self._finish(tracked, FinishReason.LENGTH)
             return
-        try:
-            engine.admit(SequenceState(tracked.seq, scorer.cache, scorer.cached))
-        except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
-            log.exception("request %s could not start", tracked.request.request_id)
-            del self._running[tracked.request.request_id]
-            self._finish(tracked, FinishReason.ERROR, error=str(exc))
+        state = SequenceState(tracked.seq, scorer.cache, scorer.cached)
+        if not self._admitted(tracked, engine, state):
             return
         if tracked.modes[-1:] != [self._mode.value]:
             tracked.modes.append(self._mode.value)
 
-    def _matches_fault_marker(self, prompt: list[int]) -> bool:
-        marker = self.config.fault_marker
-        return bool(marker) and marker in self.registry.tokenizer.decode(prompt)
+    def _admitted(self, tracked: TrackedRequest, engine, state: SequenceState) -> bool:
+        """Put a request's sequence into `engine`; if that raises, it alone fails."""
+        try:
+            engine.admit(state)
+        except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
+            log.exception("request %s could not join the engine", tracked.request.request_id)
+            self._running.pop(tracked.request.request_id, None)
+            self._finish(tracked, FinishReason.ERROR, error=str(exc))
+            return False
+        return True
 
     def _switch(self, target: Mode) -> None:
         """Hand the model to the other engine, carrying in-flight requests with their
@@ -646,8 +605,8 @@ class Scheduler:
                     self._publish(output)
                 if not state.seq.finished:
                     self.registry.transfer(BatchedEngine.name)
-                    self._batched.insert(state)
-                    migrated = 1
+                    tracked = self._running[state.seq.request_id]
+                    migrated = int(self._admitted(tracked, self._batched, state))
             self.registry.transfer(BatchedEngine.name)
         else:
             for output in self._batched.settle() if self._batched else []:

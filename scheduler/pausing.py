@@ -1,0 +1,72 @@
+"""Taking running requests out of the engine and back, KV cache kept (a mixin of
+`Scheduler`, on the engine thread).
+
+Backpressure: a stream whose client stopped reading is paused (its sequence leaves the
+engine with its KV cache, freeing the slot), resumes ahead of the queue once read,
+and is cancelled once paused past `unread_timeout`. Only models whose caches roll back
+pause: a row must leave the batch holding exactly its committed tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from engines.sequence import FinishReason
+from scheduler.policy import Mode
+from scheduler.tracking import TrackedRequest
+
+if TYPE_CHECKING:
+    from scheduler.admission import Backpressure, FairQueue
+
+
+class Pausing:
+    """Backpressure's pauses and resumes; the state it uses is the scheduler's."""
+
+    _backpressure: Backpressure
+    _running: dict[str, TrackedRequest]
+    _paused: dict[str, TrackedRequest]
+    _waiting: FairQueue[TrackedRequest]
+
+    def _apply_backpressure(self) -> None:
+        """Pause running streams whose clients stopped reading (the sequence leaves the
+        engine with its KV cache, freeing the slot), resume them once read, and cancel
+        those paused past `unread_timeout`. Only models whose caches roll back pause."""
+        policy = self._backpressure
+        if not policy.enabled or not self.rows_roll_back or self._spec is None:
+            return
+        now = time.monotonic()
+        engine = self._engine()
+        in_engine = set(engine.active_ids) if engine is not None else set()
+        unread = [(rid, t.unread) for rid, t in self._running.items() if rid in in_engine]
+        for request_id in policy.to_pause(unread):
+            self._pause(self._running.get(request_id), engine, now)
+        for request_id, tracked in list(self._paused.items()):
+            if policy.can_resume(tracked.unread):
+                del self._paused[request_id]
+                self._waiting.appendleft(tracked)
+            elif policy.expired(tracked.paused_at, now):
+                del self._paused[request_id]
+                tracked.parked = None
+                self._finish(
+                    tracked,
+                    FinishReason.CANCELLED,
+                    error=f"the client stopped reading this stream for {policy.timeout:g}s",
+                    error_kind="aborted",
+                )
+
+    def _pause(self, tracked: TrackedRequest | None, engine, now: float) -> None:
+        if tracked is None:
+            return  # finished: an earlier pause's settle committed its last token
+        request_id = tracked.request.request_id
+        if self._mode == Mode.SPECULATIVE:
+            state, outputs = engine.export()
+        else:  # a plain step in flight is committed first (`settle`)
+            outputs = engine.settle()
+            state = engine.extract(request_id) if request_id in engine.active_ids else None
+        for output in outputs:
+            self._publish(output)
+        if self._running.pop(request_id, None) is None:
+            return  # its last token, committed on the way out, finished it
+        tracked.parked, tracked.paused_at = state, now
+        self._paused[request_id] = tracked

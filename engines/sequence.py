@@ -14,7 +14,7 @@ from typing import Any
 from engines.request import GenerationRequest
 from engines.sampling import RandomStream, make_token_processors
 from engines.stopping import StopMatcher
-from engines.telemetry import SpecStats
+from engines.token_sources import SourcedSpecStats, TokenSources
 
 
 class FinishReason(str, enum.Enum):
@@ -47,7 +47,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matched_stop: str | None = None
-    spec: SpecStats = field(default_factory=SpecStats)
+    spec: SourcedSpecStats = field(default_factory=SourcedSpecStats)  # tags token sources
     inject_fault: bool = False  # test hook (--inject-fault-on): commit raises mid-generation
     fault_at: str | None = None  # test hook: the batched engine's point to fail at (faults.py)
     processors: list = field(default_factory=list)  # logits processors: (tokens, logits) -> logits
@@ -67,8 +67,18 @@ class Sequence:
     def all_tokens(self) -> list[int]:
         return [*self.request.prompt_tokens, *self.generated]
 
+    @property
+    def sources(self) -> TokenSources:
+        """How each committed token was produced (see engines.token_sources)."""
+        return self.spec.sources
+
     def commit(self, token: int) -> str:
         """Append one generated token; return the text it releases to the client."""
+        text = self._append(token)
+        self.spec.sources.add(text)
+        return text
+
+    def _append(self, token: int) -> str:
         assert not self.finished, "commit after finish"
         if self.inject_fault and len(self.generated) >= 3:
             raise RuntimeError(f"injected fault in request {self.request_id}")

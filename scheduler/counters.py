@@ -14,6 +14,7 @@ class SchedulerCounters:
     mode_switches: dict[tuple[str, str], int] = field(default_factory=dict)
     migrated_requests: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)  # batch size -> steps
+    generated_tokens: int = 0  # every request's, as published (live tokens/s on the web page)
 
     def record_switch(self, source: str, target: str, migrated: int) -> None:
         key = (source, target)

@@ -32,6 +32,7 @@ class RequestRecord:
     modes: tuple[str, ...]
     speculation: SpecStats = field(default_factory=SpecStats)
     error: str | None = None
+    scope: str = ""  # the API key's id (engines.request cache_scope); never the key
 
     @property
     def tokens_per_second(self) -> float:

@@ -721,6 +721,7 @@ class Scheduler(Pausing):
                 self.observer.on_token_gap(now - tracked.last_token)
             tracked.last_token = now
         tracked.completion_tokens += len(output.token_ids)
+        self.counters.generated_tokens += len(output.token_ids)
         if output.finish_reason is not None:
             del self._running[output.request_id]
             self._finish(tracked, output.finish_reason, output=output, error=output.error)

@@ -34,6 +34,9 @@ class TokenEvent:
     logprobs: list | None = None  # engines.logprobs.TokenLogprob per token, when asked
     prompt_logprobs: list | None = None  # prompt[1:] scored, on the request's first event
     speculation: dict | None = None  # per-request drafted/accepted stats, on the final event
+    # (source, text) per token: a drafter's name (pld, draft, mtp) or "target" (see
+    # engines.token_sources); surfaces show it only when a request asks
+    token_sources: list[tuple[str, str]] | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -73,6 +73,7 @@ def token_event(tracked: TrackedRequest, token_ids: list[int], text: str, **kw: 
         prompt_tokens=len(tracked.request.prompt_tokens),
         completion_tokens=tracked.completion_tokens,
         cached_tokens=tracked.cached_tokens,
+        token_sources=tracked.seq.sources.take(len(token_ids)) if tracked.seq else None,
         **kw,
     )
 
@@ -120,5 +121,6 @@ def final_event(
         modes=tuple(tracked.modes),
         speculation=tracked.seq.spec if tracked.seq else SpecStats(),
         error=error,
+        scope=tracked.request.cache_scope,
     )
     return event, record

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 
+import mlx.core as mx
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -31,6 +32,7 @@ from server.metrics import Metrics
 from server.openai.chat import create_chat_completion
 from server.openai.completions import create_completion
 from server.responses.endpoints import create_response, delete_response, retrieve_response
+from server.ui import ui_routes
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +211,8 @@ def create_app(config: ServerConfig, scheduler: Scheduler | None = None) -> Star
     ]
     if config.metrics:
         routes.append(Route("/metrics", metrics_endpoint, methods=["GET"]))
+    if config.ui:
+        routes.extend(ui_routes(str(mx.default_device())))
     app = Starlette(
         routes=routes,
         middleware=build_middleware(config, metrics),

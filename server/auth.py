@@ -26,7 +26,8 @@ from server.errors import ApiError, error_response_for
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/"})  # "/": the web page, which asks for a key
+OPEN_PREFIX = "/ui/static/"  # the page's script and style: no data in them
 _ID_SALT = secrets.token_bytes(16)  # per process: ids cannot be matched across restarts
 _KEY_ID = "tandem.key_id"  # where the accepted key's id lives in scope["state"]
 
@@ -108,7 +109,7 @@ class ApiKeyMiddleware:
         self.failures = TokenBuckets(self.FAILURES_PER_MINUTE, burst=self.FAILURES_BURST)
 
     def keys_for(self, path: str) -> tuple[str, ...]:
-        if path in OPEN_PATHS:
+        if path in OPEN_PATHS or path.startswith(OPEN_PREFIX):
             return ()
         if path == "/metrics" and self.metrics_keys:
             return self.metrics_keys + self.keys

@@ -146,6 +146,16 @@ class Stats(Open):
     requests: dict[str, Any]
 
 
+class UiStatus(Open):
+    model: str
+    state: str
+    engine: str
+    requests: dict[str, Any]
+    tokens: dict[str, Any]
+    speculation: dict[str, Any]
+    yours: list[dict[str, Any]]
+
+
 class AnthropicErrorDetail(Open):
     type: str
     message: str
@@ -236,6 +246,7 @@ class Endpoint:
     response: type[BaseModel] | None = None
     stream: tuple[type[BaseModel], ...] = ()
     text: bool = False
+    media_types: tuple[str, ...] = ()  # other bodies: the web page's files
     errors: tuple[int, ...] = READ_ERRORS
     error_model: type[BaseModel] = OpenAIError
     keys: tuple[str, ...] = ("api_keys",)
@@ -342,6 +353,35 @@ ENDPOINTS = (
         only_if="metrics",
     ),
     Endpoint("GET", "/openapi.json", "This document", "operations", response=OpenApiDocument),
+    # The web page (server/ui): open, it asks for a key; its data endpoint is not.
+    Endpoint(
+        "GET",
+        "/",
+        "The web page",
+        "web",
+        media_types=("text/html",),
+        errors=(),
+        keys=(),
+        only_if="ui",
+    ),
+    Endpoint(
+        "GET",
+        "/ui/static/{name}",
+        "The web page's script, style and icon",
+        "web",
+        media_types=("text/css", "text/javascript", "image/svg+xml"),
+        errors=(404,),
+        keys=(),
+        only_if="ui",
+    ),
+    Endpoint(
+        "GET",
+        "/ui/status",
+        "Live figures for the web page",
+        "web",
+        response=UiStatus,
+        only_if="ui",
+    ),
 )
 
 
@@ -424,6 +464,8 @@ def success_response(endpoint: Endpoint, components: dict) -> dict[str, Any]:
         content["text/event-stream"] = {"schema": sse_event([*chunks, error])}
     if endpoint.text:
         content["text/plain"] = {"schema": {"type": "string"}}
+    for media_type in endpoint.media_types:
+        content[media_type] = {"schema": {"type": "string"}}
     return {"description": "OK", "content": content}
 
 

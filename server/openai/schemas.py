@@ -105,3 +105,5 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
     metadata: OpenAIMetadata | None = None  # validated like OpenAI's, then unused
+    # Tandem extension: each token's source (a drafter or the target) in the output
+    tandem_token_sources: StrictBool = False

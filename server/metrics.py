@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engines.telemetry import SpecStats
@@ -364,7 +364,6 @@ class Metrics:
             "batch_sizes": {str(k): v for k, v in sorted(scheduler.counters.batch_sizes.items())},
             "batched_engine_started": scheduler.batched_engine is not None,
             "memory_bytes": dict(scheduler.memory),
-            "kv_budget": scheduler.kv_stats,
             "measured_rates": dict(scheduler.measured_rates),
         }
 
@@ -427,7 +426,6 @@ class _LiveGauges(Collector):
         )
         ranks.add_metric([m], scheduler.ranks)
         yield from (running, waiting, mode, memory, blas, supported, drafters, ranks)
-        yield from _kv_metrics(m, scheduler.kv_stats)
         yield from self._cost_gauges(m, scheduler.speculation_costs)
 
     @staticmethod
@@ -449,25 +447,3 @@ class _LiveGauges(Collector):
         )
         draft.add_metric([m], costs["draft_step"])
         yield from (verify, draft)
-
-
-def _kv_metrics(m: str, kv: dict | None) -> Iterator:
-    """The KV budget (--max-kv-gb): its size, what running requests reserve, what the
-    engines' caches hold, the prefix cache's share, and requests preempted so far."""
-    if kv is None:
-        return
-    sizes = GaugeMetricFamily(
-        "tandem_kv_bytes",
-        "KV memory: the budget, reserved by running requests at their reach, held by the "
-        "engines' caches (measured), held by the prefix cache.",
-        labels=["model_name", "kind"],
-    )
-    for kind in ("budget", "reserved", "measured", "prefix_cache"):
-        sizes.add_metric([m, kind], kv[f"{kind}_bytes"])
-    preemptions = CounterMetricFamily(
-        "tandem_kv_preemptions",
-        "Running requests preempted to keep KV within the budget (resumed later).",
-        labels=["model_name"],
-    )
-    preemptions.add_metric([m], kv["preemptions"])
-    yield from (sizes, preemptions)

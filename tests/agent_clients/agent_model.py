@@ -1,0 +1,117 @@
+"""A tiny random model fit for coding agents' prompts: long context, and a tokenizer
+trained on what those agents really send.
+
+Why not the suite's usual tiny model: its 512-token vocabulary, trained on a few lines,
+turns Claude Code's first request into ~52k tokens, and its context is 2048. Trained
+on the recorded requests (tests/data/agent_requests/) with a larger vocabulary, the
+same prompts are a few times shorter, so a CPU prefills them in seconds, and the
+context (131072) holds a whole session. Chat template and special tokens are the demo
+model's (engines/demo.py), so tool calls are Qwen-style `<tool_call>` JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engines.demo import (
+    _CORPUS,
+    BOS_TOKEN,
+    CHAT_SPECIAL_TOKENS,
+    CHAT_TEMPLATE,
+    EOS_TOKEN,
+    FIM_TOKENS,
+    MARKER_TOKENS,
+    TinyModelSpec,
+    write_random_llama,
+)
+
+FIXTURES = Path(__file__).resolve().parents[1] / "data" / "agent_requests"
+VOCAB_SIZE = 8192
+# One layer, one head: a CPU prefills a 19k-token prompt in seconds (attention dominates).
+SPEC = TinyModelSpec(
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=1,
+    num_key_value_heads=1,
+    intermediate_size=64,
+    max_position_embeddings=131072,
+)
+SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, *CHAT_SPECIAL_TOKENS, *MARKER_TOKENS, *FIM_TOKENS]
+
+
+def strings_in(value) -> list[str]:
+    """Every string inside a JSON value, keys included."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in (k, *strings_in(v))]
+    if isinstance(value, list):
+        return [s for v in value for s in strings_in(v)]
+    return []
+
+
+def training_corpus() -> list[str]:
+    """The demo corpus, each recorded body as JSON (tools render as JSON) and the text
+    inside it (system prompts, messages)."""
+    texts = _CORPUS.splitlines(keepends=True) * 4
+    for path in sorted(FIXTURES.glob("*.json")):
+        body = json.loads(path.read_text())["body"]
+        texts.append(json.dumps(body, ensure_ascii=False))
+        texts += strings_in(body)
+    return texts
+
+
+def train_tokenizer(out_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(training_corpus(), trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+        special_tokens=[(BOS_TOKEN, tokenizer.token_to_id(BOS_TOKEN))],
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        additional_special_tokens=SPECIAL_TOKENS[2:],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+
+
+def build_agent_model(out_dir: str | Path) -> Path:
+    """Build (or reuse, when already complete) the model directory."""
+    out = Path(out_dir)
+    marker = out / "agent_model.json"
+    recipe = json.dumps(
+        {
+            "spec": SPEC.__dict__,
+            "vocab": VOCAB_SIZE,
+            "template": CHAT_TEMPLATE,
+            "fixtures": sorted(p.name for p in FIXTURES.glob("*.json")),
+        },
+        sort_keys=True,
+    )
+    if marker.exists() and marker.read_text() == recipe:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    train_tokenizer(out)
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out))
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in (EOS_TOKEN, "<|im_end|>")]
+    write_random_llama(out, len(tokenizer), SPEC, eos_ids)
+    marker.write_text(recipe)
+    return out

@@ -1,0 +1,282 @@
+"""Real coding-agent clients, end to end, against a real Tandem server process.
+
+Claude Code and Codex CLI (npm, installed into .agent-clients/ by .ci/run), the
+openai-agents SDK and mini-swe-agent (the `dev` extras) each run one scripted session
+against `python -m tests.agent_server` on 127.0.0.1: `tandem serve`'s own config,
+app and uvicorn, serving a tiny model forced to call the client's own tools
+(tests/agent_clients/scripts.py). The client runs its tool, sends the result back, the
+model's final answer arrives, the client exits 0, and the file changed as scripted.
+
+A missing client fails the test (never a skip) with the command that installs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.agent_clients.agent_model import build_agent_model
+from tests.agent_clients.scripts import ANSWER, CALC, DIV
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[1]
+NODE_BIN = ROOT / ".agent-clients" / "node_modules" / ".bin"
+NPM_INSTALL = (
+    "npm install --prefix .agent-clients --no-audit --no-fund "
+    "@anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 (see .ci/run)"
+)
+MODEL = "tiny"
+CLIENT_TIMEOUT = 600  # seconds for one client session (a CPU prefills ~17k tokens first)
+
+
+def node_client(name: str) -> Path:
+    path = NODE_BIN / name
+    if not path.exists():
+        pytest.fail(f"{path} is missing: install the agent clients with `{NPM_INSTALL}`")
+    return path
+
+
+def python_client(module: str) -> None:
+    try:
+        __import__(module)
+    except ImportError as error:
+        pytest.fail(f"{module} is missing ({error}): `pip install -e '.[dev]'`")
+
+
+class TandemProcess:
+    """The launcher in a subprocess: its port, its log, stopped by PID."""
+
+    def __init__(self, model_dir: Path, workdir: Path, log_path: Path) -> None:
+        self.log_path = log_path
+        self.log = log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.agent_server", str(workdir), "--seconds", "3000"]
+            + ["--", str(model_dir), "--served-model-name", MODEL],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
+        self.url = f"http://127.0.0.1:{self.read_port(120)}"
+        self.wait_healthy(120)
+
+    def read_port(self, timeout: float) -> int:
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(
+            target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True
+        ).start()
+        try:
+            line = lines.get(timeout=timeout)
+        except queue.Empty:
+            self.stop()
+            pytest.fail(f"agent server printed no port in {timeout}s:\n{self.log_text()}")
+        assert line.startswith("PORT "), line + self.log_text()
+        return int(line.split()[1])
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                return
+            time.sleep(0.2)
+        self.stop()
+        pytest.fail(f"agent server not healthy in {timeout}s:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()[-6000:]
+
+    def request_lines(self, surface: str, since: int) -> list[str]:
+        """The server's per-request log lines for `surface`, from character `since`."""
+        text = self.log_path.read_text()[since:]
+        return [line for line in text.splitlines() if f"surface={surface} " in line]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("agent-work")
+
+
+@pytest.fixture(scope="module")
+def tandem(tmp_path_factory, workdir):
+    model_dir = build_agent_model(tmp_path_factory.mktemp("models") / "agent")
+    server = TandemProcess(model_dir, workdir, workdir / "tandem.log")
+    yield server
+    server.stop()
+
+
+def project(workdir: Path, name: str) -> Path:
+    """The client's folder, holding calc.py as the scripts expect it."""
+    folder = workdir / name
+    folder.mkdir()
+    (folder / "calc.py").write_text(CALC)
+    return folder
+
+
+def client_env(home: Path, **extra: str) -> dict[str, str]:
+    """The environment a client runs in: its own HOME, no keys or proxies from ours."""
+    home.mkdir(exist_ok=True)
+    keep = ("PATH", "LANG", "LC_ALL", "TERM", "TMPDIR")
+    env = {k: v for k, v in os.environ.items() if k in keep}
+    return {**env, "HOME": str(home), "NO_PROXY": "127.0.0.1", **extra}
+
+
+def run_client(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run a client in its own process group; on timeout, kill that group and fail."""
+    proc = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=CLIENT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{command[0]} ran over {CLIENT_TIMEOUT}s\nstdout:\n{out}\nstderr:\n{err}")
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def cached_tokens(line: str) -> int:
+    return int(line.split(" cached=")[1].split()[0])
+
+
+def test_claude_code_edits_a_file(tandem, workdir):
+    claude = node_client("claude")
+    folder = project(workdir, "claude")
+    since = len(tandem.log_path.read_text())
+    env = client_env(
+        workdir / "claude-home",
+        ANTHROPIC_BASE_URL=tandem.url,
+        ANTHROPIC_API_KEY="test",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+        DISABLE_TELEMETRY="1",
+        DISABLE_AUTOUPDATER="1",
+        DISABLE_ERROR_REPORTING="1",
+        IS_SANDBOX="1",  # --dangerously-skip-permissions is refused to root otherwise
+    )
+    prompt = "Add a function div(a, b) to calc.py. FORCE:agent-claude"
+    command = [str(claude), "-p", prompt, "--model", MODEL, "--dangerously-skip-permissions"]
+    result = run_client(command, folder, env)
+    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\nserver:\n{tandem.log_text()}"
+    assert result.returncode == 0, report
+    assert ANSWER in result.stdout, report
+    assert (folder / "calc.py").read_text() == CALC + DIV, report
+    # Read, Edit, answer: three requests, the later ones served mostly from the prefix cache.
+    turns = tandem.request_lines("messages", since)
+    assert len(turns) == 3, report
+    assert all(cached_tokens(line) > 10000 for line in turns[1:]), turns
+
+
+def test_codex_edits_a_file(tandem, workdir):
+    codex = node_client("codex")
+    folder = project(workdir, "codex")
+    home = workdir / "codex-home"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'model = "{MODEL}"\nmodel_provider = "tandem"\n\n'
+        '[model_providers.tandem]\nname = "Tandem"\n'
+        f'base_url = "{tandem.url}/v1"\nwire_api = "responses"\nenv_key = "TANDEM_API_KEY"\n'
+    )
+    since = len(tandem.log_path.read_text())
+    env = client_env(home, CODEX_HOME=str(home), TANDEM_API_KEY="test")
+    prompt = "Add a function div(a, b) to calc.py. FORCE:agent-codex"
+    command = [str(codex), "exec", "--skip-git-repo-check"]
+    command += ["--dangerously-bypass-approvals-and-sandbox", prompt]
+    result = run_client(command, folder, env)
+    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\nserver:\n{tandem.log_text()}"
+    assert result.returncode == 0, report
+    assert ANSWER in result.stdout, report
+    assert (folder / "calc.py").read_text() == CALC + DIV, report
+    turns = tandem.request_lines("responses", since)
+    assert len(turns) == 2, report
+    assert cached_tokens(turns[1]) > 5000, turns
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+async def test_openai_agents_sdk_tool_round_trip_streamed(tandem, api):
+    python_client("agents")
+    from agents import (
+        Agent,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"Sunny in {city}"
+
+    client = AsyncOpenAI(base_url=f"{tandem.url}/v1", api_key="test", max_retries=0)
+    kind = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
+    agent = Agent(
+        name="weather",
+        instructions="Use the tools.",
+        tools=[get_weather],
+        model=kind(model=MODEL, openai_client=client),
+    )
+    result = Runner.run_streamed(agent, "What is the weather in Paris? FORCE:agent-sdk")
+    items = []
+    async for event in result.stream_events():
+        if event.type == "run_item_stream_event":
+            items.append(event.item.type)
+    assert calls == ["Paris"]
+    assert items[:2] == ["tool_call_item", "tool_call_output_item"], items
+    assert result.final_output == "It is sunny in Paris."
+
+
+def test_mini_swe_agent_completes_a_step(tandem, workdir):
+    python_client("minisweagent")
+    folder = project(workdir, "mini")
+    trajectory = workdir / "mini-trajectory.json"
+    env = client_env(
+        workdir / "mini-home",
+        OPENAI_API_KEY="test",
+        MSWEA_CONFIGURED="true",
+        MSWEA_COST_TRACKING="ignore_errors",  # a local model has no price
+    )
+    prompt = "Add a function div(a, b) to calc.py. FORCE:agent-mini"
+    command = [sys.executable, "-m", "minisweagent", "-m", f"openai/{MODEL}", "-t", prompt]
+    command += ["--yolo", "--exit-immediately", "-o", str(trajectory), "-c", "mini.yaml"]
+    command += ["-c", f"model.model_kwargs.api_base={tandem.url}/v1"]
+    result = run_client(command, folder, env)
+    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\nserver:\n{tandem.log_text()}"
+    assert result.returncode == 0, report
+    assert (folder / "calc.py").read_text() == CALC + DIV, report
+    info = json.loads(trajectory.read_text())["info"]
+    assert info["exit_status"] == "Submitted", info
+    assert info["model_stats"]["api_calls"] == 2, info

@@ -10,6 +10,8 @@ import re
 import pytest
 
 from engines.token_sources import TARGET, SourcedSpecStats
+from server.cli import build_parser
+from server.serve import build_config
 from server.ui.page import load_static
 from tests.clients import forced_scheduler
 from tests.conftest import make_client, start_scheduler
@@ -202,6 +204,14 @@ async def test_page_and_files_are_served_with_a_strict_policy(scheduler):
             assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", text), name
         assert (await client.get("/ui/static/nope.js")).status_code == 404
         assert (await client.get("/ui/static/..%2Fpage.py")).status_code == 404
+
+
+def test_the_page_is_on_unless_no_ui_is_given():
+    def config(*flags: str):
+        return build_config(build_parser().parse_args(["serve", "/models/m", *flags]))
+
+    assert config().ui is True
+    assert config("--no-ui").ui is False
 
 
 async def test_no_ui_serves_no_page(scheduler):

@@ -111,6 +111,12 @@ class PrefixCache:
         while self.nbytes > self.max_bytes and self._scopes:
             self._evict_one(max(self._scopes, key=lambda s: self._scopes[s].nbytes))
 
+    def shrink_to(self, max_bytes: int) -> None:
+        """Evict entries (as `_fit` does) until it holds at most `max_bytes`: running
+        requests' KV needs the room (the scheduler's KV budget)."""
+        while self.nbytes > max_bytes and self._scopes:
+            self._evict_one(max(self._scopes, key=lambda s: self._scopes[s].nbytes))
+
     def _evict_one(self, scope: str) -> None:
         lru = self._scopes[scope]
         lru.trim_to(n_sequences=len(lru) - 1)  # its oldest of the kind evicted first

@@ -61,11 +61,17 @@ class FairQueue(Generic[T]):
         """Ahead of everyone (a paused request resuming: it had a slot already)."""
         self._resuming.append(item)
 
+    def peek(self) -> T:
+        """The item `popleft` would take."""
+        if self._resuming:
+            return self._resuming[0]
+        # min() keeps the first of equals: ties go to the oldest request.
+        return min(self._items, key=lambda item: self._served.get(self.key_of(item), -1))
+
     def popleft(self) -> T:
         if self._resuming:
             return self._resuming.popleft()
-        # min() keeps the first of equals: ties go to the oldest request.
-        chosen = min(self._items, key=lambda item: self._served.get(self.key_of(item), -1))
+        chosen = self.peek()
         self._items.remove(chosen)
         self._turn += 1
         self._served[self.key_of(chosen)] = self._turn

@@ -44,6 +44,9 @@ class SchedulerConfig:
     batch_prefill_step_size: int = 512  # prefill chunk while batched (bounds others' gaps)
     prefix_cache_entries: int = 16  # finished requests' KV caches kept for reuse (0: off)
     prefix_cache_bytes: int = 2 << 30
+    # KV memory of running requests and the prefix cache together (--max-kv-gb);
+    # None: a share of the machine's memory (scheduler/kv_budget.py)
+    max_kv_bytes: int | None = None
     request_timeout: float = 0.0  # seconds from arrival; 0 = no limit
     fault_marker: str | None = None  # test hook: prompts containing this fail mid-generation
     # Extra logits processors per request (constrained decoding; tests force outputs).

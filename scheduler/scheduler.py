@@ -37,10 +37,12 @@ from engines.speculative import SpeculativeEngine
 from scheduler.admission import Backpressure, FairQueue, KeyCounts
 from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
+from scheduler.kv_budget import KVBudget, make_budget
 from scheduler.loading import ModelInfo, load_model
 from scheduler.observer import NullObserver, SchedulerObserver, log_request
 from scheduler.pausing import Pausing
 from scheduler.policy import Mode, ModePolicy
+from scheduler.preemption import Preemption
 from scheduler.scoring import ScoringQueue, scoring_budget
 from scheduler.stream import RequestStream, TokenEvent
 from scheduler.throughput import ThroughputModel, serial_wait_fits
@@ -58,7 +60,7 @@ class SchedulerState(str, enum.Enum):
     STOPPED = "stopped"
 
 
-class Scheduler(Pausing):
+class Scheduler(Pausing, Preemption):
     def __init__(self, config: SchedulerConfig, observer: SchedulerObserver | None = None) -> None:
         self.config = config
         self.observer: SchedulerObserver = observer or NullObserver()
@@ -97,6 +99,7 @@ class Scheduler(Pausing):
         self.throughput = config.throughput_model or ThroughputModel()
         self._last_step: tuple[tuple[Mode, int], float] | None = None  # shape, end time
         self.memory: dict[str, int] = {}
+        self.kv: KVBudget | None = None  # --max-kv-gb, set at load (`preemption`)
         self.measured_rates: dict = {}  # engine-thread snapshot of `throughput`
         self._memory_sampled = 0.0
 
@@ -178,6 +181,7 @@ class Scheduler(Pausing):
             check_token_ids(request, info.vocab_size)
         if request.max_tokens < (0 if request.prompt_logprobs is not None else 1):
             raise InvalidRequest("max_tokens must be at least 1 (0 only to score the prompt)")
+        self._check_kv(request)
         context = info.context_length if info else None
         if context is not None and len(request.prompt_tokens) + request.max_tokens > context:
             raise ContextTooLong(
@@ -285,6 +289,7 @@ class Scheduler(Pausing):
                 self._apply(commands)
                 self._schedule()
                 self._step()
+                self._keep_within_budget()
                 self._score_step()
                 self._flush()
                 self._sample_gauges()
@@ -332,6 +337,9 @@ class Scheduler(Pausing):
                 self.config.batch_threshold, self.config.batch_return_steps, migrate_back=False
             )
         self.model_info = loaded.info
+        if self.registry.lockstep is None:  # its profiling forward would run on one rank only
+            models = [m.model for m in (self.registry.target, self.registry.draft) if m]
+            self.kv = make_budget(self.config.max_kv_bytes, models, mx.get_active_memory())
 
     @property
     def mode(self) -> Mode:
@@ -473,6 +481,8 @@ class Scheduler(Pausing):
         for _ in range(admissible):
             if self._mode == Mode.SPECULATIVE and not engine.has_capacity:
                 break
+            if not self._kv_admits(self._waiting.peek()):
+                break  # it waits for room in the KV budget
             self._start(self._waiting.popleft(), engine)
             self._last_step = None  # the next step prefills: not a decode-rate sample
 
@@ -738,6 +748,7 @@ class Scheduler(Pausing):
         error: str | None = None,
         error_kind: str | None = None,
     ) -> None:
+        self._release_kv(tracked)
         event, record = final_event(tracked, reason, output, error, error_kind)
         log_request(record)
         self.observer.on_finished(record)

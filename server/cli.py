@@ -256,6 +256,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefix-cache-gb", type=float, default=2.0, help="memory bound of the prefix cache"
     )
+    parser.add_argument(
+        "--max-kv-gb",
+        type=float,
+        default=None,
+        help="KV memory budget of running requests and the prefix cache together: a request "
+        "waits while its KV at prompt + max_tokens does not fit (default: half the memory "
+        "the weights leave; printed at startup)",
+    )
     parser.add_argument("--served-model-name", help="model id clients use (default: dir name)")
     parser.add_argument(
         "--no-blas-preload",

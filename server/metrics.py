@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engines.telemetry import SpecStats
@@ -364,6 +364,7 @@ class Metrics:
             "batch_sizes": {str(k): v for k, v in sorted(scheduler.counters.batch_sizes.items())},
             "batched_engine_started": scheduler.batched_engine is not None,
             "memory_bytes": dict(scheduler.memory),
+            "kv_budget": scheduler.kv_stats,
             "measured_rates": dict(scheduler.measured_rates),
         }
 
@@ -400,6 +401,8 @@ class _LiveGauges(Collector):
         )
         for kind in MEMORY_KINDS:
             memory.add_metric([m, kind], scheduler.memory.get(kind, 0))
+        for kind, size in _kv_sizes(scheduler.kv_stats).items():
+            memory.add_metric([m, kind], size)
         blas = GaugeMetricFamily(
             "tandem_blas_info", "The BLAS MLX uses (1).", labels=["model_name", "library"]
         )
@@ -426,6 +429,7 @@ class _LiveGauges(Collector):
         )
         ranks.add_metric([m], scheduler.ranks)
         yield from (running, waiting, mode, memory, blas, supported, drafters, ranks)
+        yield from _kv_metrics(m, scheduler.kv_stats)
         yield from self._cost_gauges(m, scheduler.speculation_costs)
 
     @staticmethod
@@ -447,3 +451,24 @@ class _LiveGauges(Collector):
         )
         draft.add_metric([m], costs["draft_step"])
         yield from (verify, draft)
+
+
+def _kv_metrics(m: str, kv: dict | None) -> Iterator:
+    """Requests preempted to keep within the KV budget (--max-kv-gb); its bytes are
+    kinds of tandem_memory_bytes."""
+    if kv is None:
+        return
+    preemptions = CounterMetricFamily(
+        "tandem_kv_preemptions",
+        "Running requests preempted to keep KV within the budget (resumed later).",
+        labels=["model_name"],
+    )
+    preemptions.add_metric([m], kv["preemptions"])
+    yield preemptions
+
+
+def _kv_sizes(kv: dict | None) -> dict[str, int]:
+    """The KV budget's bytes as memory kinds: the budget, what running requests reserve
+    at their reach, what the engines' caches hold (measured), the prefix cache's."""
+    kinds = ("budget", "reserved", "measured", "prefix_cache")
+    return {f"kv_{kind}": kv[f"{kind}_bytes"] for kind in kinds} if kv else {}

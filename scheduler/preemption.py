@@ -1,0 +1,123 @@
+"""Keeping running requests within the KV budget (a mixin of `Scheduler`, on the engine
+thread; the budget itself is `scheduler.kv_budget`).
+
+Admission waits while the next request's reach does not fit beside the others'
+(`_kv_admits`); every iteration the caches the engines and paused requests actually
+hold are measured, the prefix cache gives up what the running requests need, and if
+they still pass the budget the newest running requests are preempted (`_preempt`):
+each leaves the batch, its cache dropped, and waits at the head of the queue to resume
+by prefilling its tokens so far. The oldest request is never preempted: alone, every
+admitted request fits.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from engines.errors import InvalidRequest
+from engines.spec_state import SequenceState
+from scheduler.kv_budget import GB, KVBudget, cache_bytes
+from scheduler.policy import Mode
+from scheduler.tracking import Command, TrackedRequest
+
+if TYPE_CHECKING:
+    from scheduler.admission import FairQueue
+
+
+class Preemption:
+    """The scheduler's side of the KV budget; the state it uses is the scheduler's."""
+
+    kv: KVBudget | None
+    _running: dict[str, TrackedRequest]
+    _paused: dict[str, TrackedRequest]
+    _waiting: FairQueue[TrackedRequest]
+
+    @property
+    def kv_stats(self) -> dict[str, int] | None:
+        """Budget, reserved and measured bytes, the prefix cache's, and preemptions."""
+        return self.kv.snapshot(self._prefix) if self.kv is not None else None
+
+    def set_kv_limit(self, limit: int) -> None:
+        """Change the budget (thread-safe): what runs past a lower one is preempted."""
+        if self.kv is not None:
+            self.kv.limit = limit
+            self._send(Command("kv_budget"))
+
+    def _check_kv(self, request: Any) -> None:
+        """Refuse a request whose KV alone could never fit the budget (event loop)."""
+        kv = self.kv
+        if kv is not None and not kv.alone_fits(request):
+            need = kv.profile.bytes_at(kv.reach(request))
+            raise InvalidRequest(
+                f"this request's KV cache reaches {need / GB:.3f} GB at its prompt plus "
+                f"max_tokens ({kv.reach(request)} tokens), over this server's KV budget of "
+                f"{kv.limit / GB:.3f} GB (--max-kv-gb); ask for fewer tokens"
+            )
+
+    def _kv_admits(self, tracked: TrackedRequest) -> bool:
+        return self.kv is None or self.kv.admit(tracked.request, self._prefix)
+
+    def _release_kv(self, tracked: TrackedRequest) -> None:
+        if self.kv is not None:
+            self.kv.release(tracked.request.request_id)
+
+    def _keep_within_budget(self) -> None:
+        """Measure the caches held; over the budget, preempt the newest rows."""
+        if self.kv is None:
+            return
+        self.kv.bound_prefix(self._prefix)
+        while self.kv.over(self._held_kv_bytes(), self._prefix) and self._preempt():
+            pass
+
+    def _held_kv_bytes(self) -> int:
+        layers = list(_engine_layers(self._engine()))
+        for tracked in self._paused.values():
+            if tracked.parked is not None:
+                layers += _state_layers(tracked.parked)
+        return cache_bytes(layers)
+
+    def _preempt(self) -> bool:
+        """Preempt the newest running request of the batch; False when none can go
+        (one request left, or a batch whose rows cannot leave it)."""
+        engine = self._engine()
+        if self._mode != Mode.BATCHED or not self.rows_roll_back or len(self._running) < 2:
+            return False
+        for output in engine.settle():  # a plain step in flight commits first
+            self._publish(output)
+        active = set(engine.active_ids)
+        candidates = [t for rid, t in self._running.items() if rid in active]
+        if len(candidates) < 2:
+            return False
+        tracked = max(candidates, key=lambda t: t.arrived)
+        request_id = tracked.request.request_id
+        state = engine.extract(request_id)
+        fresh = make_prompt_cache(self.registry.target.model)  # resumes by a prefill
+        tracked.parked = SequenceState(state.seq, fresh, 0, state.gates, state.pld)
+        del self._running[request_id]
+        self.kv.release(request_id)
+        self.kv.preemptions += 1
+        self._waiting.appendleft(tracked)
+        return True
+
+
+def _engine_layers(engine: Any) -> list:
+    """The cache layers an engine holds: the batch's rows and prefill groups (target
+    and draft), or the single-stream engine's sequence."""
+    if engine is None:
+        return []
+    if hasattr(engine, "groups"):
+        layers = [*engine.cache, *(engine.draft_cache or [])]
+        for group in engine.groups:
+            layers += [*group.cache, *(group.draft_cache or [])]
+        return layers
+    active = getattr(engine, "active", None)
+    if active is None:
+        return []
+    return [*active.cache, *(active.draft.cache or [])]
+
+
+def _state_layers(state: SequenceState) -> list:
+    draft = state.draft.cache if state.draft is not None and state.draft.cache else []
+    return [*state.cache, *draft]

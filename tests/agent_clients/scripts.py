@@ -22,6 +22,9 @@ DIV = "\n\ndef div(a, b):\n    return a / b\n"
 APPEND_DIV = "printf '\\n\\ndef div(a, b):\\n    return a / b\\n' >> calc.py"
 ANSWER = "Added div(a, b) to calc.py."
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+# Reasoning before the first call: the client must carry it back (Claude Code a thinking
+# block with its signature, Codex a reasoning item with encrypted_content).
+THINK = "<think>calc.py needs a div function next to add.</think>"
 
 
 def tool_call(name: str, arguments: dict) -> str:
@@ -36,14 +39,14 @@ def client_scripts(workdir: str) -> dict[str, list[str]]:
     return {
         # Claude Code's Edit refuses a file not Read in this session: Read, Edit, answer.
         "claude": [
-            tool_call("Read", {"file_path": claude_calc}),
+            THINK + tool_call("Read", {"file_path": claude_calc}),
             tool_call(
                 "Edit",
                 {"file_path": claude_calc, "old_string": CALC, "new_string": CALC + DIV},
             ),
             ANSWER,
         ],
-        "codex": [tool_call("exec_command", {"cmd": APPEND_DIV}), ANSWER],
+        "codex": [THINK + tool_call("exec_command", {"cmd": APPEND_DIV}), ANSWER],
         "mini": [
             tool_call("bash", {"command": APPEND_DIV}),
             tool_call("bash", {"command": SUBMIT}),

@@ -14,6 +14,9 @@ last RSS under load is at most the RSS after warm-up x (1 + tolerance) + slack.
 
 It starts nothing itself, only talks to a loopback server, stops by itself at the
 duration (and at `--max-requests`), and exits 1 when the verdict fails.
+
+`tandem bench soak matrix` is the other soak: random server settings x cache kinds,
+in-process (bench/soak_matrix.py).
 """
 
 from __future__ import annotations
@@ -547,7 +550,12 @@ def format_summary(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run, print the summary, write the JSON; exit 1 when the verdict fails."""
+    """Run, print the summary, write the JSON; exit 1 when the verdict fails.
+    `tandem bench soak matrix ...` runs the randomized in-process soak instead."""
+    if argv and argv[0] == "matrix":
+        from bench.soak_matrix import main as matrix
+
+        return matrix(argv[1:])
     settings = settings_from_args(parse_args(argv))
     report = asyncio.run(run_soak(settings))
     if settings.output:

@@ -61,6 +61,7 @@ EXPORTED_METRICS = frozenset(
         "tandem_spec_draft_step_cost_ratio",
         "tandem_request_errors_total",
         "tandem_client_disconnects_total",
+        "tandem_server_tools_not_offered_total",
         "tandem_kv_preemptions_total",
     }
 )

@@ -8,6 +8,7 @@ tandem bench draft-ceiling MODEL --draft-model D   what draft length policies ca
 tandem bench distributed MODEL  one model over mlx.launch ranks vs one process, and mlx_lm's
 tandem bench rollback MODEL     verify and rollback cost vs a plain step (recurrent, windowed)
 tandem bench invariance [MODEL] verify vs plain logits on this device, per dtype (exactness)
+tandem bench device [--dry-run] the prepared GPU check vs mlx_lm.server (bench/device_check.sh)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main(argv: list[str]) -> None:
         "distributed": "bench.distributed",
         "rollback": "bench.rollback_cost",
         "invariance": "bench.batch_invariance",
+        "device": "bench.device",
     }
     if not argv or argv[0] not in commands:
         print(__doc__)

@@ -33,7 +33,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engines.errors import RequestAborted, RequestFailed
+from engines.errors import RequestAborted, RequestFailed, TandemError
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from scheduler import Scheduler, SchedulerConfig, SchedulerState
 
@@ -45,6 +45,7 @@ TEXTS = (
     "Numbers: 0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5",
 )
 BEHAVIOURS = ("read", "read", "read", "cancel", "unread", "slow")
+READY = SchedulerState.READY
 MEMORY_SLACK = 64 << 20  # MLX's active memory between rounds may grow this much
 
 
@@ -155,7 +156,11 @@ def draw_request(rng: random.Random, index: int, tokenizer) -> tuple[GenerationR
 
 async def drive(scheduler: Scheduler, request: GenerationRequest, client: Client, result):
     """Submit, then read the stream as the client does; record the outcome."""
-    stream = scheduler.submit(request)
+    try:
+        stream = scheduler.submit(request)
+    except TandemError as exc:  # not ready (failed), queue full: a soak failure too
+        result.failed.append(f"{request.request_id} refused: {exc}")
+        return None
     tokens: list[int] = []
     try:
         if client.behaviour == "unread":
@@ -203,12 +208,12 @@ async def run_round(config: Config, rng: random.Random, requests: int) -> Round:
         )
         await asyncio.sleep(0.1)
         result.left_running = scheduler.num_running + scheduler.num_waiting
+        result.state = scheduler.state.value
         for (request, _), tokens in zip(drawn, outputs, strict=True):
-            if tokens is not None and request.sampling.greedy:
+            if tokens is not None and request.sampling.greedy and scheduler.state == READY:
                 again = await scheduler.submit(request).collect()
                 if [t for e in again for t in e.token_ids] != tokens:
                     result.mismatched.append(request.request_id)
-        result.state = scheduler.state.value
     finally:
         scheduler.stop()
         logging.getLogger().removeHandler(errors)

@@ -50,7 +50,8 @@ else
         echo "[device_check] pip install failed: a wheel the image lacks was not carried"
         exit 4
     }
-    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 4
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+        || "$PY" -m pip install -q --no-index --no-deps --no-build-isolation . || exit 4
     echo "[device_check] installed in $(( $(date +%s) - started )) s"
     "$PY" -c "import mlx.core as mx; print('[device_check] MLX computes on', mx.default_device())"
 fi

@@ -38,8 +38,11 @@ from pathlib import Path
 from engines.demo import LAYER_WEIGHT_SCALE, TinyModelSpec, build_tiny_model
 
 # Relative output scale of the target's layers past the draft's: sets how often the
-# aligned draft's greedy token differs from the target's.
-AGREEMENT_SCALE = 0.05
+# aligned draft's greedy token differs from the target's. At the 1B shape (float32, this
+# CPU) the draft's argmax equalled the target's at 77% / 54% / 25% of 96 random-token
+# positions for 0.05 / 0.1 / 0.2, and at 24 of 24 positions of the target's own greedy
+# output for 0.05: a trained draft's 60-90% lies between.
+AGREEMENT_SCALE = 0.1
 # The looping model's layers add this much to a unit-RMS embedding: the cycle mostly
 # wins, and now and then the context tips a token elsewhere.
 LOOP_RESIDUAL = 0.1

@@ -9,7 +9,7 @@ On the device, `stage` copies the part it was carried with into a folder outside
 tree (kept while the machine stays warm), joins every wheel whose pieces are all there
 and checks its sha256: one call per part, the last one runs the check.
 
-    python -m bench.device_wheels pack [--dest .device-wheels] [--part-mib 54]
+    python -m bench.device_wheels pack [--dest .device-wheels] [--part-mib 55]
     python -m bench.device_wheels stage [--src .device-wheels] [--dest DIR]
     python -m bench.device_wheels requirements
 
@@ -78,7 +78,10 @@ def carried(wheels: list[Path]) -> list[Path]:
 
 def pack(dest: Path, part_mib: float) -> list[Path]:
     """Download the wheels the image lacks, cut and file them into parts."""
-    return file_parts(carried(download(dest / "download")), dest, int(part_mib * 2**20))
+    folder = dest / "download"  # the whole closure, CUDA libraries too: 2 GB, dropped after
+    parts = file_parts(carried(download(folder)), dest, int(part_mib * 2**20))
+    shutil.rmtree(folder)
+    return parts
 
 
 def file_parts(wheels: list[Path], dest: Path, limit: int) -> list[Path]:
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     packing = commands.add_parser("pack")
     packing.add_argument("--dest", type=Path, default=Path(".device-wheels"))
-    packing.add_argument("--part-mib", type=float, default=54.0)
+    packing.add_argument("--part-mib", type=float, default=55.0)
     staging = commands.add_parser("stage")
     staging.add_argument("--src", type=Path, default=Path(".device-wheels"))
     staging.add_argument("--dest", type=Path, default=Path("/tmp/tandem-device-wheels"))

@@ -46,6 +46,7 @@ TEXTS = (
 )
 BEHAVIOURS = ("read", "read", "read", "cancel", "unread", "slow")
 READY = SchedulerState.READY
+ROUND_TIMEOUT_S = 120.0  # a round's requests all end well within this on a CPU
 MEMORY_SLACK = 64 << 20  # MLX's active memory between rounds may grow this much
 
 
@@ -203,9 +204,14 @@ async def run_round(config: Config, rng: random.Random, requests: int) -> Round:
             return await drive(scheduler, request, client, result)
 
         delays = sorted(rng.uniform(0, 1.5) for _ in drawn)
-        outputs = await asyncio.gather(
-            *(arrive(r, b, d) for (r, b), d in zip(drawn, delays, strict=True))
-        )
+        pairs = zip(drawn, delays, strict=True)
+        clients = [asyncio.ensure_future(arrive(r, c, d)) for (r, c), d in pairs]
+        finished, hung = await asyncio.wait(clients, timeout=ROUND_TIMEOUT_S)
+        for task in hung:  # a stream that never ends is a failure of its own
+            task.cancel()
+        if hung:
+            result.failed.append(f"{len(hung)} requests unfinished after {ROUND_TIMEOUT_S:g}s")
+        outputs = [task.result() if task in finished else None for task in clients]
         await asyncio.sleep(0.1)
         result.left_running = scheduler.num_running + scheduler.num_waiting
         result.state = scheduler.state.value

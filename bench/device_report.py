@@ -97,8 +97,8 @@ def summarise(report: dict, stages: list) -> str:
 
 def models_lines(result: dict) -> list[str]:
     return [
-        f"{name}: {count / 1e9:.2f}B parameters ({count / 1e6:.1f}M), bfloat16, "
-        f"vocabulary {result['vocab']}"
+        f"{name}: {f'{count / 1e9:.2f}B' if count >= 1e8 else f'{count / 1e6:.1f}M'} "
+        f"parameters, bfloat16, vocabulary {result['vocab']}"
         for name, count in result.get("parameters", {}).items()
     ]
 
@@ -202,15 +202,18 @@ def plot_hybrid(stages: list, path: Path) -> None:
     axes = figure.subplots(len(ran), len(PANELS), squeeze=False)
     for row, stage in zip(axes, ran, strict=True):
         lines = {**stage.result.get("modes", {}), **stage.result.get("peers", {})}
+        levels = sorted({int(level) for data in lines.values() for level in data["levels"]})
         for axis, (title, keys) in zip(row, PANELS, strict=True):
             for colour, (name, data) in enumerate(lines.items()):
-                levels = {"levels": list(data["levels"].values())}
+                by_level = {"levels": list(data["levels"].values())}
                 for key, style in keys:
-                    x, y = series(levels, key)
+                    x, y = series(by_level, key)
                     label = name if style == "-" else None
                     axis.plot(x, y, style, marker="o", color=f"C{colour}", label=label)
             axis.set_title(f"{stage.name}: {title}", fontsize=9)
             axis.set_xscale("log", base=2)
+            axis.set_xticks(levels, [str(level) for level in levels])
+            axis.set_xlabel("concurrency")
             axis.set_ylim(bottom=0)
             axis.grid(alpha=0.3)
         row[0].legend(fontsize=8)
@@ -233,6 +236,8 @@ def plot_verify(stages: list, path: Path) -> None:
         axis.set_title(f"{stage.name}: verify / plain step, same rows", fontsize=9)
         axis.set_xlabel("tokens per row")
         axis.set_xscale("log", base=2)
+        tokens = sorted({c["tokens"] for c in cells})
+        axis.set_xticks(tokens, [str(t) for t in tokens])
         axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)

@@ -110,6 +110,9 @@ def file_parts(wheels: list[Path], dest: Path, limit: int) -> list[Path]:
             parts.append(home := [])
         home.append(piece)
     manifest["parts"] = len(parts)
+    manifest["part_of"] = {
+        piece[0]: f"p{number}" for number, part in enumerate(parts, start=1) for piece in part
+    }
     folders = []
     for number, part in enumerate(parts, start=1):
         folder = dest / f"p{number}"
@@ -157,8 +160,9 @@ def stage(src: Path, dest: Path) -> bool:
             (ready / wheel).unlink()
             raise SystemExit(f"{wheel}: sha256 differs after joining its pieces")
     if missing:
-        print(f"waiting for {len(missing)} piece(s) of {manifest['parts']} part(s): "
-              f"{', '.join(missing)}; call again at once carrying the next part")  # fmt: skip
+        waiting = sorted({manifest["part_of"][piece] for piece in missing})
+        print(f"waiting for part(s) {', '.join(waiting)} of {manifest['parts']} "
+              f"({len(missing)} pieces): call again at once carrying the next part")  # fmt: skip
         return False
     print(f"all {len(manifest['wheels'])} wheels ready in {ready}")
     return True

@@ -146,7 +146,7 @@ def test_a_stage_past_its_time_is_stopped_with_what_it_started(tmp_path):
     assert missing.status == "skipped: model absent not built"
 
 
-def test_wheels_travel_in_parts_and_join_only_when_all_are_there(tmp_path):
+def test_wheels_travel_in_parts_and_join_only_when_all_are_there(tmp_path, capsys):
     wheels = tmp_path / "download"
     wheels.mkdir()
     sizes = {"big-1.0-py3-none-any.whl": 2_500_000, "small-1.0-py3-none-any.whl": 300_000,
@@ -165,5 +165,8 @@ def test_wheels_travel_in_parts_and_join_only_when_all_are_there(tmp_path):
             (call / part.name / item.name).write_bytes(item.read_bytes())
         complete = stage(call, device)
         assert complete == (number == len(parts))
+        if not complete:
+            waiting = ", ".join(f"p{n}" for n in range(number + 1, len(parts) + 1))
+            assert f"waiting for part(s) {waiting} of 3" in capsys.readouterr().out
     for name in sizes:
         assert sha256(device / "wheels" / name) == sha256(wheels / name)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -183,12 +184,14 @@ def plan(sizes: Sizes, models: Path, work: Path) -> list[Stage]:
     stages.append(
         Stage(
             "tests",
-            120,
+            150,
             [
                 python,
                 "-m",
                 "pytest",
-                "-q",
+                "-v",
+                "--timeout",
+                "90",
                 "-p",
                 "no:cacheprovider",
                 *sizes.tests,
@@ -268,14 +271,40 @@ def stop_group(proc: subprocess.Popen) -> None:
 def read_result(stage: Stage) -> dict | list | None:
     """The stage's first output, parsed: JSON, or a pytest junit XML's counts."""
     path = Path(stage.outputs[0])
+    if path.suffix == ".xml":
+        return junit_counts(path) if path.exists() else verbose_counts(Path(stage.log))
     if not path.exists():
         return None
-    if path.suffix == ".xml":
-        return junit_counts(path)
     try:
         return json.loads(path.read_text())
     except ValueError:
         return None
+
+
+def verbose_counts(log: Path) -> dict | None:
+    """What a pytest -v run stopped before its junit XML had finished: the outcome
+    lines it printed (`path::test PASSED  [ 4%]`)."""
+    if not log.exists():
+        return None
+    outcomes = re.findall(
+        r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", log.read_text(), re.M
+    )
+    if not outcomes:
+        return None
+    count = {
+        kind: sum(1 for _, o in outcomes if o == kind) for kind in ("FAILED", "ERROR", "SKIPPED")
+    }
+    failed = [test for test, outcome in outcomes if outcome in ("FAILED", "ERROR")]
+    passed = len(outcomes) - sum(count.values())
+    return {
+        "tests": len(outcomes),
+        "passed": passed,
+        "failures": count["FAILED"],
+        "errors": count["ERROR"],
+        "skipped": count["SKIPPED"],
+        "failed": failed,
+        "unfinished": True,
+    }
 
 
 def junit_counts(path: Path) -> dict:

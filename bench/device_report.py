@@ -183,6 +183,11 @@ def tests_lines(result: dict) -> list[str]:
     lines = [
         f"{result['passed']} passed, {result['failures']} failed, {result['errors']} errors, "
         f"{result['skipped']} skipped of {result['tests']}"
+        + (
+            " (stopped at its time limit: the tests it finished)"
+            if result.get("unfinished")
+            else ""
+        )
     ]
     lines += [f"  FAILED {test}" for test in result["failed"]]
     return lines

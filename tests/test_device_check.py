@@ -170,3 +170,23 @@ def test_wheels_travel_in_parts_and_join_only_when_all_are_there(tmp_path, capsy
             assert f"waiting for part(s) {waiting} of 3" in capsys.readouterr().out
     for name in sizes:
         assert sha256(device / "wheels" / name) == sha256(wheels / name)
+
+
+def test_tests_stopped_at_their_time_limit_still_count_what_finished(tmp_path):
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_some.py").write_text(
+        "import time\n"
+        "def test_one(): pass\n"
+        "def test_two(): assert False\n"
+        "def test_three(): time.sleep(60)\n"
+    )
+    junit = tmp_path / "tests.xml"
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
+               "-c", str(tmp_path / "pytest.ini"), str(tmp_path / "test_some.py"),
+               "--junitxml", str(junit)]  # fmt: skip
+    tests = Stage("tests", 8, command, [str(junit)])
+    run_stage(tests, 8, tmp_path, tmp_path)
+    assert tests.status == "timed out after 8 s" and not junit.exists()
+    result = tests.result
+    assert (result["tests"], result["passed"], result["failures"]) == (2, 1, 1)
+    assert result["unfinished"] and result["failed"][0].endswith("test_some.py::test_two")

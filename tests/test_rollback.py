@@ -309,11 +309,12 @@ def test_a_rollback_reruns_only_the_recurrent_layers(arch_root, tiny_model_dir, 
             ]
         else:
             pairs = list(zip(mine.cache, theirs.cache, strict=True))
-        # Rerunning two positions rounds differently from a forward over all of them
-        # (the gated delta's chunks differ): up to 2.7e-4 on values near 1 on some CPUs.
+        # Rerunning two positions rounds differently from a forward over all of them, and
+        # the recurrent state carries it on: on this CI's CPU (OpenBLAS) Qwen3-Next's
+        # state is up to 4.1e-4 away (at a value of 0.17; 1e-4 held on an earlier box).
         # A wrong state or a wrong position is off by far more.
         for a, b in pairs:
-            assert a.shape == b.shape and mx.allclose(a, b, rtol=1e-3, atol=1e-4).item()
+            assert a.shape == b.shape and mx.allclose(a, b, atol=1e-3).item()
 
 
 def filled(cache: list, tokens: int) -> list:

@@ -529,8 +529,10 @@ def test_store_counts_bytes_and_keeps_scopes_apart():
             {"input": [{"role": "user", "content": [{"type": "input_video", "video_url": "x"}]}]},
             "input[0].content",
         ),
-        ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]},
-         "tools"),
+        (
+            {"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]},
+            "tools",
+        ),
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 3}}}, "text.format"),

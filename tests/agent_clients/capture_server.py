@@ -21,12 +21,23 @@ import itertools
 import json
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 SECRET_HEADERS = {"authorization", "x-api-key", "cookie", "openai-api-key"}
 ANSWER = "Done: added div(a, b) to calc.py."
+# What --stall sends each second before the answer, to learn which keep-alive a client honours.
+KEEPALIVES = {
+    "comment": b": keep-alive\n\n",
+    "ping": b'event: ping\ndata: {"type": "ping"}\n\n',
+    "message_delta": b'event: message_delta\ndata: {"type": "message_delta", "delta": '
+    b'{"stop_reason": null, "stop_sequence": null}, "usage": {"output_tokens": 0}}\n\n',
+    "in_progress": b'event: response.in_progress\ndata: {"type": "response.in_progress", '
+    b'"response": {"id": "resp_capture", "object": "response", "status": "in_progress", '
+    b'"output": []}}\n\n',
+}
 
 
 def sse(event: str | None, data: dict) -> bytes:
@@ -292,7 +303,11 @@ def chat_stream(body: dict, call: dict | None) -> list[bytes]:
 class Recorder:
     """Numbers and writes each request; explicit state shared by handler threads."""
 
-    def __init__(self, out_dir: Path, tool_call: bool, workdir: str) -> None:
+    def __init__(
+        self, out_dir: Path, tool_call: bool, workdir: str, stall: float = 0, keepalive: str = ""
+    ) -> None:
+        self.stall = stall
+        self.keepalive = KEEPALIVES[keepalive] if stall else b""
         self.out_dir = out_dir
         self.tool_call = tool_call
         self.workdir = workdir
@@ -368,6 +383,11 @@ def make_handler(recorder: Recorder) -> type[BaseHTTPRequestHandler]:
             self.send_header("cache-control", "no-cache")
             self.send_header("connection", "close")
             self.end_headers()
+            # A long prefill, as a client sees it: only keep-alives for `stall` seconds.
+            for _ in range(int(recorder.stall)):
+                self.wfile.write(recorder.keepalive)
+                self.wfile.flush()
+                time.sleep(1)
             for event in events:
                 self.wfile.write(event)
                 self.wfile.flush()
@@ -410,11 +430,14 @@ def main() -> None:
     parser.add_argument("--tool-call", action="store_true")
     parser.add_argument("--workdir", default="/tmp")
     parser.add_argument("--seconds", type=float, default=600.0)
+    parser.add_argument("--stall", type=float, default=0.0, help="seconds of keep-alives first")
+    parser.add_argument("--keepalive", choices=sorted(KEEPALIVES), default="comment")
     args = parser.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     server = ThreadingHTTPServer(
-        ("127.0.0.1", 0), make_handler(Recorder(out, args.tool_call, args.workdir))
+        ("127.0.0.1", 0),
+        make_handler(Recorder(out, args.tool_call, args.workdir, args.stall, args.keepalive)),
     )
     print(f"PORT {server.server_address[1]}", flush=True)
     threading.Timer(args.seconds, server.shutdown).start()

@@ -20,7 +20,7 @@ from server import json_body as strict_json
 from server.auth import caller_key_id
 from server.config import ServerConfig
 from server.errors import ApiError, bad_request
-from server.keepalive import OPENAI_KEEPALIVE, with_keepalive
+from server.keepalive import Quiet, with_heartbeats, with_keepalive
 
 Body = TypeVar("Body", bound=BaseModel)
 Job = TypeVar("Job")
@@ -164,13 +164,18 @@ async def events_until_done(request: Request, stream: RequestStream) -> AsyncIte
         stream.cancel()
 
 
-def event_stream(
-    request: Request, chunks: AsyncIterator[str], keepalive: str = OPENAI_KEEPALIVE
-) -> StreamingResponse:
-    """An SSE response that sends `keepalive` while the stream is quiet."""
-    interval = config_of(request).stream_keepalive
-    body = with_keepalive(chunks, interval, keepalive)
-    return StreamingResponse(body, media_type="text/event-stream")
+def event_stream(request: Request, chunks: AsyncIterator[str], keepalive: bool = True):
+    """An SSE response; with `keepalive`, an SSE comment goes out while it is quiet
+    (surfaces whose keep-alive is an event of their own send it themselves)."""
+    if keepalive:
+        chunks = with_keepalive(chunks, config_of(request).stream_keepalive)
+    return StreamingResponse(chunks, media_type="text/event-stream")
+
+
+def heartbeat_events(request: Request, stream: RequestStream) -> AsyncIterator[TokenEvent | Quiet]:
+    """A request's events, with QUIET whenever none came for `--stream-keepalive`."""
+    events = events_until_done(request, stream)
+    return with_heartbeats(events, config_of(request).stream_keepalive)
 
 
 def output_markers(request: Request):

@@ -389,23 +389,60 @@ def slow_scheduler(tiny_model_dir):
     scheduler.stop()
 
 
+KEEPALIVE_DELTA = (
+    'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":null,'
+    '"stop_sequence":null},"usage":{"output_tokens":0}}'
+)
+
+
 @pytest.mark.parametrize(
     ("path", "body", "keepalive"),
     [
-        (MESSAGES, {"messages": HI, "max_tokens": 3}, 'event: ping\ndata: {"type":"ping"}'),
+        (MESSAGES, {"messages": HI, "max_tokens": 3}, KEEPALIVE_DELTA),
         (CHAT, {"messages": HI, "max_tokens": 3}, ": keep-alive"),
-        (RESPONSES, {"input": "Hi", "max_output_tokens": 3}, ": keep-alive"),
+        (RESPONSES, {"input": "Hi", "max_output_tokens": 3}, "event: response.in_progress"),
         (COMPLETIONS, {"prompt": "Hi", "max_tokens": 3}, ": keep-alive"),
     ],
 )
 async def test_a_quiet_stream_sends_keepalives_before_its_first_token(
     slow_scheduler, path, body, keepalive
 ):
+    """Each surface's keep-alive is what its agents' idle timers count: an SSE comment
+    for OpenAI's chat clients, a usage-only message_delta (beside ping) for Claude Code,
+    response.in_progress for Codex CLI."""
     async with make_client(slow_scheduler, stream_keepalive=0.1) as http:
         reply = await http.post(path, json={**body, "stream": True})
     frames = reply.text.split("\n\n")
-    assert sum(frame == keepalive for frame in frames) >= 2, reply.text[:400]
+    quiet = [i for i, frame in enumerate(frames) if frame.startswith(keepalive)]
+    assert len(quiet) >= 2, reply.text[:600]
+    if path == MESSAGES:  # before the first content block, never between blocks
+        assert quiet[-1] < next(i for i, f in enumerate(frames) if "content_block_start" in f)
     assert "[DONE]" in reply.text or "message_stop" in reply.text or "completed" in reply.text
+
+
+async def test_anthropic_and_openai_sdks_read_streams_with_keepalives(slow_scheduler):
+    """The keep-alive events change nothing the SDKs build: the final message and
+    response are what a stream without them gives."""
+    import openai
+
+    from tests.test_anthropic import sdk, sdk_http
+
+    async with sdk_http(slow_scheduler, stream_keepalive=0.1) as http:
+        async with sdk(http).messages.stream(
+            model=MODEL_NAME, max_tokens=3, messages=HI, extra_body={"temperature": 0}
+        ) as stream:
+            message = await stream.get_final_message()
+    async with make_client(slow_scheduler, stream_keepalive=0.1) as http:
+        client = openai.AsyncOpenAI(api_key="k", base_url=f"{http.base_url}/v1", http_client=http)
+        async with client.responses.stream(
+            model=MODEL_NAME, input="Hi", max_output_tokens=3, temperature=0
+        ) as stream:
+            kinds = [event.type async for event in stream]
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    assert message.usage.output_tokens >= 1
+    assert kinds.count("response.in_progress") >= 3  # the opening one and keep-alives
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert "response.output_text.delta" in kinds
 
 
 async def test_keepalives_are_off_at_zero(slow_scheduler):

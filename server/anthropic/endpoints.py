@@ -32,14 +32,14 @@ from server.http import (
     collect_unless_disconnected,
     config_of,
     event_stream,
-    events_until_done,
+    heartbeat_events,
     model_info_of,
     off_the_loop,
     output_markers,
     parse_body,
     submit,
 )
-from server.keepalive import ANTHROPIC_KEEPALIVE
+from server.keepalive import Quiet
 from server.output_parser import OutputParser
 from server.server_tools import note_skipped_tools
 from server.structured import anthropic_output_format, output_constraint
@@ -220,24 +220,42 @@ async def create_message(request: Request) -> Response:
     stream = submit(request, job.gen)
     parser = OutputParser(output_markers(request), job.tools, job.starts_in_reasoning)
     if body.stream:
-        events = message_events(job, parser, events_until_done(request, stream))
-        return event_stream(request, events, ANTHROPIC_KEEPALIVE)
+        events = message_events(job, parser, heartbeat_events(request, stream))
+        return event_stream(request, events, keepalive=False)
     events = await collect_unless_disconnected(request, stream)
     if events is None:
         return Response(status_code=499)
     return JSONResponse(message_json(job, parser, events))
 
 
+def keepalive_events(started: bool) -> list[dict]:
+    """A quiet stream's keep-alive: `ping`, and before the first token a `message_delta`
+    with only usage, since Claude Code re-arms its idle watchdog on any event but ping
+    (the final `message_delta` overwrites it; it counts no tokens, so costs nothing)."""
+    events: list[dict] = [{"type": "ping"}]
+    if not started:
+        delta = {"stop_reason": None, "stop_sequence": None}
+        events.append({"type": "message_delta", "delta": delta, "usage": {"output_tokens": 0}})
+    return events
+
+
 async def message_events(
-    job: MessageJob, parser: OutputParser, events: AsyncIterator[TokenEvent]
+    job: MessageJob, parser: OutputParser, events: AsyncIterator[TokenEvent | Quiet]
 ) -> AsyncIterator[str]:
     """message_start, ping, the blocks as they form, message_delta, message_stop; a
-    failure mid-stream ends it with an `error` event in Anthropic's shape."""
+    failure mid-stream ends it with an `error` event in Anthropic's shape. While the
+    stream is quiet (a long prefill), keep-alive events."""
     yield sse_event({"type": "message_start", "message": message_shell(job)})
     yield sse_event({"type": "ping"})
     layout = BlockStream()
+    started = False
     try:
         async for event in events:
+            if isinstance(event, Quiet):
+                for payload in keepalive_events(started):
+                    yield sse_event(payload)
+                continue
+            started = True
             for payload in layout.feed(parser.step(event.text, event.final)):
                 yield sse_event(payload)
             if event.final:

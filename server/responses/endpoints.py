@@ -37,7 +37,7 @@ from server.http import (
     collect_unless_disconnected,
     config_of,
     event_stream,
-    events_until_done,
+    heartbeat_events,
     model_info_of,
     off_the_loop,
     output_markers,
@@ -45,6 +45,7 @@ from server.http import (
     submit,
 )
 from server.json_body import PiecewiseJSONResponse
+from server.keepalive import Quiet
 from server.output_parser import OutputParser
 from server.prompts import render_chat
 from server.responses.inputs import normalize_input, with_instructions
@@ -257,8 +258,8 @@ async def create_response(request: Request) -> Response:
     parser = OutputParser(output_markers(request), job.tools, job.starts_in_reasoning)
     store = store_of(request)
     if body.stream:
-        events = response_events(job, parser, events_until_done(request, stream), store)
-        return event_stream(request, events)
+        events = response_events(job, parser, heartbeat_events(request, stream), store)
+        return event_stream(request, events, keepalive=False)
     collected = await collect_unless_disconnected(request, stream)
     if collected is None:
         return Response(status_code=499)
@@ -295,13 +296,15 @@ def closing_events(
 async def response_events(
     job: ResponsesJob,
     parser: OutputParser,
-    events: AsyncIterator[TokenEvent],
+    events: AsyncIterator[TokenEvent | Quiet],
     store: ResponseStore,
 ) -> AsyncIterator[str]:
     """The SSE stream: created, in_progress, the items' events, then completed or
     incomplete (stored before it is sent, so a follow-up can name it at once); a
     failure mid-stream sends an `error` event, then ends with `response.failed` (the
-    response so far, status failed, its error filled in), as OpenAI's streams do."""
+    response so far, status failed, its error filled in), as OpenAI's streams do.
+    While the stream is quiet (a long prefill), `response.in_progress` again with the
+    response so far: Codex CLI's idle timer counts events only."""
     numbers = count()
     start = response_object(job, "in_progress", [], None)
     opening = [
@@ -313,6 +316,13 @@ async def response_events(
     assembler = OutputAssembler(job.toolset, job.seal)
     try:
         async for event in events:
+            if isinstance(event, Quiet):
+                snapshot = response_object(job, "in_progress", assembler.items, None)
+                for line in framed(
+                    [{"type": "response.in_progress", "response": snapshot}], numbers
+                ):
+                    yield line
+                continue
             payloads = assembler.feed(parser.step(event.text, event.final))
             if event.final:
                 payloads += await off_the_loop(closing_events, job, assembler, event, store)

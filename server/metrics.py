@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from engines.telemetry import SpecStats
 from scheduler.observer import RequestRecord
 from scheduler.policy import Mode
+from server.server_tools import KNOWN_KINDS
 
 TTFT_BUCKETS = (
     0.001,
@@ -103,6 +104,7 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 METHODS = ("draft", "mtp", "pld")
 GATES = ("prompt", "runtime")
+SKIPPED_TOOL_SURFACES = ("messages", "responses")
 MEMORY_KINDS = ("active", "cache", "peak")
 RECENT_REQUESTS = 64  # finished requests kept for the web page (GET /ui/status)
 
@@ -223,6 +225,9 @@ class Metrics:
             self.method_accepted.labels(m, method)
         for gate in GATES:
             self.gate_trips.labels(m, gate)
+        for surface in SKIPPED_TOOL_SURFACES:
+            for kind in (*KNOWN_KINDS, "other"):
+                self.skipped_tools.labels(m, surface, kind)
         for position in range(self.scheduler.max_draft_tokens):
             self.accepted_per_pos.labels(m, str(position))
         for mode in Mode:

@@ -369,7 +369,7 @@ ENDPOINTS = (
         "/ui/static/{name}",
         "The web page's script, style and icon",
         "web",
-        media_types=("text/css", "text/javascript", "image/svg+xml"),
+        media_types=("text/html", "text/css", "text/javascript", "image/svg+xml"),
         errors=(404,),
         keys=(),
         only_if="ui",

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import socket
 import sys
+import time
 from pathlib import Path
 
 import uvicorn
@@ -29,6 +30,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
     ours = argparse.ArgumentParser(prog="python -m tests.agent_server")
     ours.add_argument("workdir", help="folder the scripted tool calls edit files under")
     ours.add_argument("--seconds", type=float, default=900.0, help="exit after this long")
+    ours.add_argument(
+        "--hold-first-token",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="hold the first request's first token S seconds: a long prefill, as clients see it",
+    )
     split = argv.index("--") if "--" in argv else len(argv)
     launcher = ours.parse_args(argv[:split])
     from server.cli import build_parser
@@ -49,6 +57,8 @@ async def run(launcher: argparse.Namespace, args: argparse.Namespace) -> None:
     config = build_config(args)
     tokenizer = load_tokenizer(Path(config.scheduler.model))
     factory = agent_forcing_factory(tokenizer, client_scripts(launcher.workdir))
+    if launcher.hold_first_token > 0:
+        factory = holding_first_token(factory, launcher.hold_first_token)
     scheduler = dataclasses.replace(config.scheduler, logits_processor_factory=factory)
     config = dataclasses.replace(config, scheduler=scheduler)
     app = create_app(config)
@@ -79,6 +89,23 @@ async def run(launcher: argparse.Namespace, args: argparse.Namespace) -> None:
     stop.cancel()
     if server.load_error:
         raise SystemExit(f"agent_server: {server.load_error}")
+
+
+def holding_first_token(factory, seconds: float):
+    """`factory`, with the server's first request held `seconds` before its first token
+    (on the engine thread, as a prefill of that length would be); later ones are not."""
+    held: list[bool] = []  # engine thread only
+
+    def hold(tokens, logits):
+        if not held:
+            held.append(True)
+            time.sleep(seconds)
+        return logits
+
+    def holding(request) -> list:
+        return [hold, *factory(request)] if not held else factory(request)
+
+    return holding
 
 
 def main(argv: list[str] | None = None) -> None:

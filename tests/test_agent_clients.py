@@ -193,22 +193,63 @@ def claude_env(home: Path, url: str) -> dict[str, str]:
     )
 
 
+def codex_env(workdir: Path, url: str, provider_extra: str = "") -> dict[str, str]:
+    """A CODEX_HOME under `workdir` whose provider is Tandem's Responses API."""
+    home = workdir / "codex-home"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'model = "{MODEL}"\nmodel_provider = "tandem"\n\n'
+        '[model_providers.tandem]\nname = "Tandem"\n'
+        f'base_url = "{url}/v1"\nwire_api = "responses"\nenv_key = "TANDEM_API_KEY"\n'
+        + provider_extra
+    )
+    return client_env(home, CODEX_HOME=str(home), TANDEM_API_KEY="test")
+
+
+def codex_command() -> list[str]:
+    prompt = "Add a function div(a, b) to calc.py. FORCE:agent-codex"
+    codex = node_client("codex")
+    return [
+        str(codex),
+        "exec",
+        "--skip-git-repo-check",
+        "--dangerously-bypass-approvals-and-sandbox",
+        prompt,
+    ]
+
+
+def claude_command() -> list[str]:
+    prompt = "Add a function div(a, b) to calc.py. FORCE:agent-claude"
+    return [
+        str(node_client("claude")),
+        "-p",
+        prompt,
+        "--model",
+        MODEL,
+        "--dangerously-skip-permissions",
+    ]
+
+
+def assert_edited(result: subprocess.CompletedProcess, folder: Path, tandem: TandemProcess) -> str:
+    """The session ended well: exit 0, the scripted answer printed, calc.py edited.
+    Returns the report later assertions print."""
+    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\nserver:\n{tandem.log_text()}"
+    assert result.returncode == 0, report
+    assert ANSWER in result.stdout, report
+    assert (folder / "calc.py").read_text() == CALC + DIV, report
+    return report
+
+
 def cached_tokens(line: str) -> int:
     return int(line.split(" cached=")[1].split()[0])
 
 
 def test_claude_code_edits_a_file(tandem, workdir):
-    claude = node_client("claude")
     folder = project(workdir, "claude")
     since = len(tandem.log_path.read_text())
     env = claude_env(workdir / "claude-home", tandem.url)
-    prompt = "Add a function div(a, b) to calc.py. FORCE:agent-claude"
-    command = [str(claude), "-p", prompt, "--model", MODEL, "--dangerously-skip-permissions"]
-    result = run_client(command, folder, env)
-    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\nserver:\n{tandem.log_text()}"
-    assert result.returncode == 0, report
-    assert ANSWER in result.stdout, report
-    assert (folder / "calc.py").read_text() == CALC + DIV, report
+    result = run_client(claude_command(), folder, env)
+    report = assert_edited(result, folder, tandem)
     # Read, Edit, answer: three requests, the later ones served mostly from the prefix cache.
     turns = tandem.request_lines("messages", since)
     assert len(turns) == 3, report
@@ -216,25 +257,10 @@ def test_claude_code_edits_a_file(tandem, workdir):
 
 
 def test_codex_edits_a_file(tandem, workdir):
-    codex = node_client("codex")
     folder = project(workdir, "codex")
-    home = workdir / "codex-home"
-    home.mkdir()
-    (home / "config.toml").write_text(
-        f'model = "{MODEL}"\nmodel_provider = "tandem"\n\n'
-        '[model_providers.tandem]\nname = "Tandem"\n'
-        f'base_url = "{tandem.url}/v1"\nwire_api = "responses"\nenv_key = "TANDEM_API_KEY"\n'
-    )
     since = len(tandem.log_path.read_text())
-    env = client_env(home, CODEX_HOME=str(home), TANDEM_API_KEY="test")
-    prompt = "Add a function div(a, b) to calc.py. FORCE:agent-codex"
-    command = [str(codex), "exec", "--skip-git-repo-check"]
-    command += ["--dangerously-bypass-approvals-and-sandbox", prompt]
-    result = run_client(command, folder, env)
-    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\nserver:\n{tandem.log_text()}"
-    assert result.returncode == 0, report
-    assert ANSWER in result.stdout, report
-    assert (folder / "calc.py").read_text() == CALC + DIV, report
+    result = run_client(codex_command(), folder, codex_env(workdir, tandem.url))
+    report = assert_edited(result, folder, tandem)
     turns = tandem.request_lines("responses", since)
     assert len(turns) == 2, report
     assert cached_tokens(turns[1]) > 5000, turns
@@ -328,25 +354,10 @@ def test_codex_waits_through_a_long_prefill(slow_tandem):
     """Codex's idle timer (here 3 s) counts events, not SSE comments: the server's
     response.in_progress keep-alives carry it through an 8 s prefill without a retry."""
     tandem = slow_tandem(held=8, keepalive=1)
-    codex = node_client("codex")
-    workdir = tandem.workdir
-    folder = project(workdir, "codex")
-    home = workdir / "codex-home"
-    home.mkdir()
-    (home / "config.toml").write_text(
-        f'model = "{MODEL}"\nmodel_provider = "tandem"\n\n'
-        '[model_providers.tandem]\nname = "Tandem"\n'
-        f'base_url = "{tandem.url}/v1"\nwire_api = "responses"\nenv_key = "TANDEM_API_KEY"\n'
-        "stream_idle_timeout_ms = 3000\nstream_max_retries = 0\n"
-    )
-    env = client_env(home, CODEX_HOME=str(home), TANDEM_API_KEY="test")
-    prompt = "Add a function div(a, b) to calc.py. FORCE:agent-codex"
-    command = [str(codex), "exec", "--skip-git-repo-check"]
-    command += ["--dangerously-bypass-approvals-and-sandbox", prompt]
-    result = run_client(command, folder, env)
-    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\nserver:\n{tandem.log_text()}"
-    assert result.returncode == 0, report
-    assert (folder / "calc.py").read_text() == CALC + DIV, report
+    folder = project(tandem.workdir, "codex")
+    idle = "stream_idle_timeout_ms = 3000\nstream_max_retries = 0\n"
+    result = run_client(codex_command(), folder, codex_env(tandem.workdir, tandem.url, idle))
+    report = assert_edited(result, folder, tandem)
     assert len(tandem.request_lines("responses", 0)) == 2, report  # no retry
 
 
@@ -356,20 +367,13 @@ def test_claude_code_waits_through_a_prefill_longer_than_its_watchdog(slow_tande
     (its SDK drops pings): it cancelled an 18.8k-token Qwen2.5-Coder prefill after 8.5
     minutes. The usage-only message_delta keep-alives carry it through 320 s."""
     tandem = slow_tandem(held=320, keepalive=10)
-    claude = node_client("claude")
-    workdir = tandem.workdir
-    folder = project(workdir, "claude")
-    env = claude_env(workdir / "claude-home", tandem.url)
-    prompt = "Add a function div(a, b) to calc.py. FORCE:agent-claude"
-    command = [str(claude), "-p", prompt, "--model", MODEL, "--dangerously-skip-permissions"]
+    folder = project(tandem.workdir, "claude")
+    env = claude_env(tandem.workdir / "claude-home", tandem.url)
 
     def resent() -> str | None:
         cancelled = [x for x in tandem.request_lines("messages", 0) if "cancelled" in x]
         return f"Claude Code gave up and re-sent:\n{cancelled[0]}" if cancelled else None
 
-    result = run_client(command, folder, env, 900, watch=resent)
-    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\nserver:\n{tandem.log_text()}"
-    assert result.returncode == 0, report
-    assert ANSWER in result.stdout, report
-    assert (folder / "calc.py").read_text() == CALC + DIV, report
+    result = run_client(claude_command(), folder, env, 900, watch=resent)
+    report = assert_edited(result, folder, tandem)
     assert len(tandem.request_lines("messages", 0)) == 3, report  # Read, Edit, answer

@@ -158,11 +158,18 @@ def render_chat(
     return RenderedChat(ids, text, starts_in_reasoning, marked, escaper, checkpoints)
 
 
-def apply_template(tokenizer: Any, escaper: Escaper, messages: list[dict], tools: list | None):
+def apply_template(
+    tokenizer: Any,
+    escaper: Escaper,
+    messages: list[dict],
+    tools: list | None,
+    generation_prompt: bool = True,
+) -> str:
+    """The template's text for escaped `messages` and `tools` (markers, not specials)."""
     return tokenizer.apply_chat_template(
         escaper.escape(messages),
         tools=escaper.escape(tools) or None,
-        add_generation_prompt=True,
+        add_generation_prompt=generation_prompt,
         tokenize=False,
     )
 
@@ -190,12 +197,19 @@ def fold_late_system_turns(messages: list[dict]) -> list[dict]:
     return folded
 
 
-def common_prefix_length(tokenizer: Any, probe_marked: str, rendered: RenderedChat) -> int:
-    """How many of `rendered.ids` a template text rendered with the same escaper
-    starts with (where a prefix of the conversation ends in the prompt's tokens)."""
+def prefix_length(
+    tokenizer: Any, escaper: Escaper, messages: list[dict], tools: list | None, ids: list[int]
+) -> int:
+    """How many of `ids` (a prompt rendered with `escaper`) the template rendered for
+    `messages` without a generation prompt starts with: where a conversation that
+    begins with `messages` stops sharing the prompt's tokens (0 when the template
+    refuses them)."""
+    try:
+        probe = apply_template(tokenizer, escaper, messages, tools, generation_prompt=False)
+    except Exception:  # noqa: BLE001 - a template may insist on its own turn order
+        return 0
     shared = 0
-    probe = encode_marked(tokenizer, probe_marked, rendered.escaper)
-    for a, b in zip(probe, rendered.ids, strict=False):
+    for a, b in zip(encode_marked(tokenizer, probe, escaper), ids, strict=False):
         if a != b:
             break
         shared += 1
@@ -211,18 +225,6 @@ def shared_system_end(
     system = list(takewhile(lambda m: m["role"] in ("system", "developer"), messages))
     if not system and not tools:
         return 0
-    try:
-        probe = tokenizer.apply_chat_template(
-            escaper.escape([*system, {"role": "user", "content": ""}]),
-            tools=escaper.escape(tools) or None,
-            add_generation_prompt=False,
-            tokenize=False,
-        )
-    except Exception:  # noqa: BLE001 - a template may insist on its own turn order
-        return 0
-    shared = 0
-    for a, b in zip(encode_marked(tokenizer, probe, escaper), ids, strict=False):
-        if a != b:
-            break
-        shared += 1
+    empty_turn = [*system, {"role": "user", "content": ""}]
+    shared = prefix_length(tokenizer, escaper, empty_turn, tools, ids)
     return shared if 0 < shared < len(ids) - 1 else 0

@@ -34,9 +34,9 @@ from server.anthropic.schemas import (
 from server.errors import ApiError, bad_request
 from server.prompts import (
     RenderedChat,
-    common_prefix_length,
     extend_chat,
     media_placeholder,
+    prefix_length,
     render_chat,
 )
 from server.server_tools import server_tool_kind
@@ -246,16 +246,7 @@ def breakpoint_positions(
     for mark in parts.marks:
         count = parts.ends[mark + 1]
         prefix = parts.messages[:count] or [{"role": "user", "content": ""}]
-        try:
-            probe = tokenizer.apply_chat_template(
-                rendered.escaper.escape(prefix),
-                tools=rendered.escaper.escape(tools) or None,
-                add_generation_prompt=False,
-                tokenize=False,
-            )
-        except Exception:  # noqa: BLE001 - a template may refuse a partial conversation
-            continue
-        shared = common_prefix_length(tokenizer, probe, rendered)
+        shared = prefix_length(tokenizer, rendered.escaper, prefix, tools, rendered.ids)
         if 0 < shared < len(rendered.ids):
             positions.add(shared)
     return tuple(sorted(positions))

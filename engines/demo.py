@@ -102,8 +102,9 @@ class TinyModelSpec:
     seed: int = 0
 
 
-def train_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
-    """Train a byte-level BPE tokenizer offline and save it with a chat template."""
+def train_tokenizer(out_dir: Path, vocab_size: int = 512, corpus: list[str] | None = None) -> None:
+    """Train a byte-level BPE tokenizer offline and save it with a chat template;
+    `corpus` defaults to the built-in lines (tests train one on agents' requests)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -116,7 +117,9 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True) * 4, trainer=trainer)
+    if corpus is None:
+        corpus = _CORPUS.splitlines(keepends=True) * 4
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
     # Like Llama tokenizers: encoding with special tokens prepends BOS.
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A",

@@ -16,13 +16,10 @@ from pathlib import Path
 
 from engines.demo import (
     _CORPUS,
-    BOS_TOKEN,
-    CHAT_SPECIAL_TOKENS,
     CHAT_TEMPLATE,
     EOS_TOKEN,
-    FIM_TOKENS,
-    MARKER_TOKENS,
     TinyModelSpec,
+    train_tokenizer,
     write_random_llama,
 )
 
@@ -37,7 +34,6 @@ SPEC = TinyModelSpec(
     intermediate_size=64,
     max_position_embeddings=131072,
 )
-SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, *CHAT_SPECIAL_TOKENS, *MARKER_TOKENS, *FIM_TOKENS]
 
 
 def strings_in(value) -> list[str]:
@@ -62,35 +58,6 @@ def training_corpus() -> list[str]:
     return texts
 
 
-def train_tokenizer(out_dir: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(training_corpus(), trainer=trainer)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A",
-        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
-        special_tokens=[(BOS_TOKEN, tokenizer.token_to_id(BOS_TOKEN))],
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        additional_special_tokens=SPECIAL_TOKENS[2:],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(out_dir))
-
-
 def build_agent_model(out_dir: str | Path) -> Path:
     """Build (or reuse, when already complete) the model directory."""
     out = Path(out_dir)
@@ -107,7 +74,7 @@ def build_agent_model(out_dir: str | Path) -> Path:
     if marker.exists() and marker.read_text() == recipe:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    train_tokenizer(out)
+    train_tokenizer(out, VOCAB_SIZE, training_corpus())
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out))

@@ -6,7 +6,7 @@ are the same whether it is computed in a T-token verify forward or in a one-toke
 On the CPU (OpenBLAS, MKL) they are, to float32 rounding. A GPU computes a one-token step
 with matrix-vector kernels and a verify with matrix-matrix kernels that sum in another
 order, and with MLX's TF32 default (NVIDIA, Apple M5) in another precision for float32
-weights: Tandem turns TF32 off (`engines/precision.py`); half precision keeps the kernels'
+weights: Tandem turns TF32 off (`engines/platform/precision.py`); half precision keeps the kernels'
 own rounding. This prints, per dtype, the largest logit difference between the two over
 `--positions` positions after a `--prefix`-token prompt, and at how many positions the
 greedy token differs.
@@ -78,7 +78,7 @@ def measure(name: str, model, dtypes: list[str], prefix: int, positions: int) ->
 def random_models() -> dict:
     from mlx_lm import load
 
-    from engines.demo import TinyModelSpec, build_tiny_model
+    from engines.model.demo import TinyModelSpec, build_tiny_model
 
     wide = TinyModelSpec(
         hidden_size=768,
@@ -95,8 +95,8 @@ def random_models() -> dict:
 
 
 def main(argv: list[str]) -> None:
-    from engines.blas import describe_blas
-    from engines.precision import float32_matmuls  # `tandem` turned TF32 off, as it serves
+    from engines.platform.blas import describe_blas
+    from engines.platform.precision import float32_matmuls  # `tandem` turned TF32 off, as it serves
 
     parser = argparse.ArgumentParser(prog="tandem bench invariance", description=__doc__)
     parser.add_argument("model", nargs="?", help="path, hub id or bench model (default: random)")

@@ -82,7 +82,7 @@ def listening_inodes(port: int) -> set[str]:
 
 
 def blas_of_process(pid: int) -> dict[str, Any]:
-    from engines.blas import FAST_BLAS_PATTERN
+    from engines.platform.blas import FAST_BLAS_PATTERN
 
     try:
         maps = Path(f"/proc/{pid}/maps").read_text()

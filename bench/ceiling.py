@@ -41,10 +41,10 @@ from mlx_lm.generate import generate_step
 
 from bench.models import resolve_model
 from bench.serve import load_prompts
-from engines.blas import describe_blas
-from engines.drafters import PromptLookupDrafter
-from engines.ragged_cache import RaggedKVCache, feed_rows
-from engines.spec_state import SpecConfig
+from engines.cache.ragged_cache import RaggedKVCache, feed_rows
+from engines.drafting.prompt_lookup import PromptLookupDrafter
+from engines.platform.blas import describe_blas
+from engines.state import SpecConfig
 
 MAX_DRAFT = 8
 

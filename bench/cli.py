@@ -41,7 +41,7 @@ def main(argv: list[str]) -> None:
         print(__doc__)
         raise SystemExit(2)
     if argv[0] in IN_PROCESS and not os.environ.get("TANDEM_NO_BLAS_PRELOAD"):
-        from server.blas_preload import ensure_fast_blas
+        from engines.platform.blas_preload import ensure_fast_blas
 
         ensure_fast_blas()
     module = __import__(commands[argv[0]], fromlist=["main"])

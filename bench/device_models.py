@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.demo import LAYER_WEIGHT_SCALE, TinyModelSpec, build_tiny_model
+from engines.model.demo import LAYER_WEIGHT_SCALE, TinyModelSpec, build_tiny_model
 
 # Relative output scale of the target's layers past the draft's: sets how often the
 # aligned draft's greedy token differs from the target's. At the 1B shape (float32, this

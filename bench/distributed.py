@@ -120,8 +120,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
 
-    from engines.blas import describe_blas, find_fast_blas
-    from engines.registry import model_folder
+    from engines.model.registry import model_folder
+    from engines.platform.blas import describe_blas, find_fast_blas
 
     folder = model_folder(args.model)  # a GGUF or packaged name, imported once, up front
     requests = load_requests(args.dataset, args.requests)

@@ -11,7 +11,7 @@ accept. With this machine's costs, measured as the engine measures them at start
 pipelined plain step), it replays exact greedy decoding under:
 
 - fixed k = 1..K: what mlx-lm's `speculative_generate_step` does;
-- Tandem's confidence stop (`engines.draft_confidence`): drafting stops where one more
+- Tandem's confidence stop (`engines.gating.draft_confidence`): drafting stops where one more
   token is not worth its cost, by a calibration learned as it goes from nothing, as a
   fresh server learns it;
 - the same stop with the calibration fitted on the whole run first: the best this
@@ -36,10 +36,10 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from bench.ceiling import greedy_output, publish
 from bench.models import resolve_model
 from bench.spec import encode_prompt, load_prompts
-from engines.blas import describe_blas
-from engines.draft_confidence import ConfidenceCalibration, DraftStop
-from engines.draft_vocab import OwnTokens, bind_own, reduce_draft_vocab
-from engines.measured_costs import CostModel, relative_step_cost
+from engines.drafting.draft_vocab import OwnTokens, bind_own, reduce_draft_vocab
+from engines.gating.draft_confidence import ConfidenceCalibration, DraftStop
+from engines.gating.measured_costs import CostModel, relative_step_cost
+from engines.platform.blas import describe_blas
 
 MAX_DRAFT = 8
 

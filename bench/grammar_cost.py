@@ -19,7 +19,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
 from bench.models import resolve_model
-from engines.constraints import GrammarCompiler
+from engines.sample.constraints import GrammarCompiler
 
 WEATHER = {
     "name": "get_weather",

@@ -53,7 +53,7 @@ def add_mtp_head(model, config: dict, kind: str, seed: int) -> dict:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from engines.mtp import build_head
+    from engines.model.mtp import build_head
 
     mx.random.seed(seed + 7)
     head = build_head(config)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engines.demo import TinyModelSpec, build_tiny_model, default_demo_dir
-from engines.packaged_models import CATALOGUE
-from engines.registry import model_folder
+from engines.model.demo import TinyModelSpec, build_tiny_model, default_demo_dir
+from engines.model.packaged_models import CATALOGUE
+from engines.model.registry import model_folder
 
 SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 

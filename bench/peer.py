@@ -86,9 +86,9 @@ def peer_command(model: str, port: int, config: PeerConfig) -> list[str]:
 
 def peer_env() -> dict[str, str]:
     """This environment with the fast BLAS that `tandem serve` would preload on Linux
-    CPU (`engines.blas.find_fast_blas`) added to LD_PRELOAD, so both compute alike;
+    CPU (`engines.platform.blas.find_fast_blas`) added to LD_PRELOAD, so both compute alike;
     unchanged where Tandem would not preload (TANDEM_NO_BLAS_PRELOAD, or a GPU)."""
-    from engines.blas import FAST_BLAS_PATTERN, computes_on_cpu, find_fast_blas
+    from engines.platform.blas import FAST_BLAS_PATTERN, computes_on_cpu, find_fast_blas
 
     env = dict(os.environ)
     preload = env.get("LD_PRELOAD", "")

@@ -3,7 +3,7 @@ relative to a plain decode step, for the model's own cache kinds.
 
 A verify feeds T tokens in one forward; after it, the rejected positions go. Plain KV
 caches trim them (free); recurrent (`ArraysCache`) caches cannot, so Tandem restores the
-state from before the verify and replays the accepted run (`engines/rollback.py`):
+state from before the verify and replays the accepted run (`engines/cache/rollback.py`):
 through the recurrent layers alone, from their inputs captured during the verify, where
 the other layers are plain KV caches (they trim); through the whole model otherwise.
 mlx-lm's sliding-window caches (`RotatingKVCache`) cannot trim either; Tandem gives
@@ -121,8 +121,14 @@ def random_model(arch: str):
 def mtp_step_ratio(model, config: dict, repeats: int) -> float | None:
     """One MTP draft token / a pipelined plain step, as the engine measures it at
     start-up (`CostModel.measure`), for a head of the model's shape (None: no head)."""
-    from engines.measured_costs import CostModel
-    from engines.mtp import MTP_ARCHS, MTPStepModel, TargetParts, build_head, mtp_layers_in_config
+    from engines.gating.measured_costs import CostModel
+    from engines.model.mtp import (
+        MTP_ARCHS,
+        MTPStepModel,
+        TargetParts,
+        build_head,
+        mtp_layers_in_config,
+    )
 
     if config.get("model_type") not in MTP_ARCHS or not mtp_layers_in_config(config):
         return None
@@ -133,8 +139,8 @@ def mtp_step_ratio(model, config: dict, repeats: int) -> float | None:
 
 
 def main(argv: list[str]) -> None:
-    from engines.blas import describe_blas
-    from engines.ragged_cache import trimmable_windows
+    from engines.cache.ragged_cache import trimmable_windows
+    from engines.platform.blas import describe_blas
 
     parser = argparse.ArgumentParser(prog="tandem bench rollback", description=__doc__)
     parser.add_argument(
@@ -164,7 +170,7 @@ def main(argv: list[str]) -> None:
 
 def measure(model, args) -> None:
     """The table for the model's caches as `make_prompt_cache` makes them now."""
-    from engines.rollback import capturing_inputs, roll_back, take_snapshot
+    from engines.cache.rollback import capturing_inputs, roll_back, take_snapshot
 
     cache = make_prompt_cache(model)
     mx.eval(model(mx.zeros((1, args.context), dtype=mx.int32), cache=cache))

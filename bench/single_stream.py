@@ -158,7 +158,7 @@ def main() -> None:
     from mlx.utils import tree_flatten
     from mlx_lm import load
 
-    from engines.blas import describe_blas
+    from engines.platform.blas import describe_blas
 
     model_path = resolve_model(args.model)
     model, tokenizer = load(model_path)

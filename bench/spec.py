@@ -206,9 +206,9 @@ def main(argv: list[str] | None = None) -> dict:
     import mlx.core as mx
 
     from bench.models import resolve_model
-    from engines.blas import describe_blas
-    from engines.draft_vocab import describe_vocabulary, reduce_draft_vocab
-    from engines.registry import ModelRegistry
+    from engines.drafting.draft_vocab import describe_vocabulary, reduce_draft_vocab
+    from engines.model.registry import ModelRegistry
+    from engines.platform.blas import describe_blas
 
     model_path = resolve_model(args.model)
     draft_path = resolve_model(args.draft_model) if args.draft_model else None
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     if registry.draft:
         registry.draft.model = reduce_draft_vocab(whole_draft, registry.tokenizer, args.draft_vocab)
     if args.mtp:
-        from engines.mtp import load_head, local_folder, weights_source
+        from engines.model.mtp import load_head, local_folder, weights_source
 
         weights = weights_source(args.mtp_weights) if args.mtp_weights else None
         target = registry.target
@@ -274,8 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
 def fresh_engine(registry, k: int | None, draft_model=None):
     """A speculative engine as a fresh server builds it: costs measured at start-up;
     with `draft_model`, drafting with that instead of the registry's draft."""
-    from engines.spec_state import SpecConfig
-    from engines.speculative import SpeculativeEngine
+    from engines.single.engine import SpeculativeEngine
+    from engines.state import SpecConfig
 
     served = registry.draft.model if registry.draft else None
     if draft_model is not None:

@@ -43,7 +43,7 @@ class SpeculationOverrides:
 @dataclass(frozen=True)
 class Constraint:
     """What the output must match: an llguidance grammar (compiled from a JSON schema
-    by `engines.constraints.GrammarCompiler`).
+    by `engines.sample.constraints.GrammarCompiler`).
 
     `free_until`: a token id (a reasoning model's `</think>`) before which output is
     unconstrained, for templates that open a think block; the grammar applies after it.

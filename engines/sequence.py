@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.request import GenerationRequest
-from engines.sampling import RandomStream, make_token_processors
-from engines.stopping import StopMatcher
+from engines.sample.sampling import RandomStream, make_token_processors
+from engines.sample.stopping import StopMatcher
 from engines.token_sources import SourcedSpecStats, TokenSources
 
 

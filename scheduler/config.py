@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engines.measured_costs import CostModel
+from engines.gating.measured_costs import CostModel
 from engines.request import GenerationRequest
 from scheduler.throughput import ThroughputModel
 
@@ -16,11 +16,11 @@ class SchedulerConfig:
     draft_model: str | None = None
     gguf_dtype: str | None = None  # GGUF files import as this (None: float32 on CPU, else f16)
     # "tensor" or "pipeline": the target is sharded over the ranks `mlx.launch` started,
-    # which repeat this process's forwards (engines/lockstep.py).
+    # which repeat this process's forwards (engines/distributed/lockstep.py).
     distributed: str | None = None
     num_draft_tokens: int | None = None  # None: SpecConfig's defaults (see for_server)
     # The draft model scores only this many frequent tokens (plus special and each
-    # request's own); None: engines.draft_vocab's automatic size; 0: all.
+    # request's own); None: engines.drafting.draft_vocab's automatic size; 0: all.
     draft_vocab: int | None = None
     # The model's own MTP head drafts when it has one and no draft model is given;
     # mtp_weights: where its mtp.* weights are, when not in the model's own files.

@@ -1,5 +1,5 @@
 """A follower rank's whole life under `tandem serve --distributed`: load its shard of
-the model, repeat rank 0's forwards (`engines.lockstep.follow`) until rank 0 stops,
+the model, repeat rank 0's forwards (`engines.distributed.lockstep.follow`) until rank 0 stops,
 exit. It serves no HTTP and decides nothing.
 
 Signals: `mlx.launch` passes SIGTERM/SIGINT to every rank, but rank 0 first drains
@@ -15,9 +15,9 @@ import os
 import signal
 import threading
 
-from engines.lockstep import distributed_group, follow, load_shard
-from engines.rank_watch import join_watch
-from engines.registry import model_folder
+from engines.distributed.lockstep import distributed_group, follow, load_shard
+from engines.distributed.rank_watch import join_watch
+from engines.model.registry import model_folder
 from scheduler.config import SchedulerConfig
 
 log = logging.getLogger(__name__)

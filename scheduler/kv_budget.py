@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
-from engines.ragged_cache import SLIDE_SLACK, RaggedKVCache
+from engines.cache.ragged_cache import SLIDE_SLACK, RaggedKVCache
 
 log = logging.getLogger(__name__)
 

@@ -12,26 +12,26 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from engines.constraints import GrammarCompiler
-from engines.draft_vocab import reduce_draft_vocab
-from engines.measured_costs import CostModel
-from engines.mtp import (
+from engines.cache.ragged_cache import warm_up
+from engines.cache.rollback import (
+    cuts_back_anywhere,
+    supports_batched_rows,
+    supports_rollback,
+    supports_snapshot,
+)
+from engines.drafting.draft_vocab import reduce_draft_vocab
+from engines.gating.measured_costs import CostModel
+from engines.model.mtp import (
     MTPUnavailable,
     load_head,
     local_folder,
     mtp_layers_in_config,
     weights_source,
 )
-from engines.ragged_cache import warm_up
-from engines.registry import ModelRegistry
-from engines.rollback import (
-    cuts_back_anywhere,
-    supports_batched_rows,
-    supports_rollback,
-    supports_snapshot,
-)
-from engines.spec_state import SpecConfig
-from engines.speculative import SpeculativeEngine
+from engines.model.registry import ModelRegistry
+from engines.sample.constraints import GrammarCompiler
+from engines.single.engine import SpeculativeEngine
+from engines.state import SpecConfig
 from scheduler.config import SchedulerConfig
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from mlx_lm.models.cache import make_prompt_cache
 
 from engines.errors import InvalidRequest
-from engines.spec_state import SequenceState
+from engines.state import SequenceState
 from scheduler.kv_budget import GB, KVBudget, cache_bytes
 from scheduler.policy import Mode
 from scheduler.tracking import Command, TrackedRequest

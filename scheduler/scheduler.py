@@ -22,18 +22,17 @@ from itertools import islice
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from engines.batched import BatchedEngine
-from engines.batched_spec import BatchedSpeculativeEngine
-from engines.draft_vocab import vocabulary_of
+from engines.batched.engine import BatchedSpeculativeEngine
+from engines.batched.fallback import BatchedEngine
+from engines.drafting.draft_vocab import vocabulary_of
 from engines.errors import ContextTooLong, InvalidRequest, QueueFull, ServerNotReady
 from engines.faults import arm
-from engines.prefix_cache import ASSISTANT, SYSTEM, USER, PrefixCache
-from engines.prompt_scoring import PromptScorer
-from engines.registry import ModelRegistry
+from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, check_token_ids
+from engines.sample.prompt_scoring import PromptScorer
 from engines.sequence import FinishReason, StepOutput, make_sequence
-from engines.spec_state import SequenceState, SpecConfig
-from engines.speculative import SpeculativeEngine
+from engines.single.engine import SpeculativeEngine
+from engines.state import SequenceState, SpecConfig
 from scheduler.admission import Backpressure, FairQueue, KeyCounts
 from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
@@ -43,6 +42,7 @@ from scheduler.observer import NullObserver, SchedulerObserver, log_request
 from scheduler.pausing import Pausing
 from scheduler.policy import Mode, ModePolicy
 from scheduler.preemption import Preemption
+from scheduler.prefix_cache import ASSISTANT, SYSTEM, USER, PrefixCache
 from scheduler.scoring import ScoringQueue, scoring_budget
 from scheduler.stream import RequestStream, TokenEvent
 from scheduler.throughput import ThroughputModel, serial_wait_fits

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Container
 from typing import Any
 
-from engines.prompt_scoring import PromptScorer
+from engines.sample.prompt_scoring import PromptScorer
 
 
 class ScoringQueue:

@@ -31,7 +31,7 @@ class TokenEvent:
     matched_stop: str | None = None
     error: str | None = None
     error_kind: str | None = None  # failed | aborted | timeout
-    logprobs: list | None = None  # engines.logprobs.TokenLogprob per token, when asked
+    logprobs: list | None = None  # engines.sample.logprobs.TokenLogprob per token, when asked
     prompt_logprobs: list | None = None  # prompt[1:] scored, on the request's first event
     speculation: dict | None = None  # per-request drafted/accepted stats, on the final event
     # (source, text) per token: a drafter's name (pld, draft, mtp) or "target" (see

@@ -15,7 +15,7 @@ from typing import Any
 
 from engines.request import GenerationRequest
 from engines.sequence import FinishReason, Sequence, StepOutput
-from engines.spec_state import SequenceState
+from engines.state import SequenceState
 from engines.telemetry import SpecStats
 from scheduler.observer import RequestRecord
 from scheduler.stream import RequestStream, TokenEvent

@@ -18,8 +18,8 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
-from engines.blas import describe_blas
 from engines.errors import TandemError
+from engines.platform.blas import describe_blas
 from scheduler import Scheduler, SchedulerState
 from server.anthropic.endpoints import count_message_tokens, create_message
 from server.auth import ApiKeyMiddleware

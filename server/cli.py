@@ -9,8 +9,8 @@ import argparse
 import os
 import sys
 
-from engines.precision import keep_float32_exact
-from server.blas_preload import ensure_fast_blas
+from engines.platform.blas_preload import ensure_fast_blas
+from engines.platform.precision import keep_float32_exact
 from server.logging_setup import configure_logging
 
 
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
 def convert(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from engines.gguf_import import GGUFImportError, convert_gguf, default_dtype
+    from engines.model.gguf_import import GGUFImportError, convert_gguf, default_dtype
 
     dtype = args.dtype or default_dtype()
     try:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import uvicorn
 
-from engines.measured_costs import CostModel
+from engines.gating.measured_costs import CostModel
 from scheduler import SchedulerState
 from scheduler.config import SchedulerConfig
 from server.auth import check_keys
@@ -83,12 +83,12 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     if args.demo and args.demo_random:
         raise SystemExit("tandem serve: --demo or --demo-random, not both")
     if args.demo:
-        from engines.packaged_models import SMOLLM2_135M
+        from engines.model.packaged_models import SMOLLM2_135M
 
         model_path = SMOLLM2_135M.name  # fetched and imported when the model loads
         name = args.served_model_name or DEMO_MODEL_NAME
     elif args.demo_random:
-        from engines.demo import build_tiny_model, default_demo_dir
+        from engines.model.demo import build_tiny_model, default_demo_dir
 
         model_path = str(build_tiny_model(default_demo_dir()))
         name = args.served_model_name or DEMO_MODEL_NAME
@@ -207,8 +207,8 @@ class DrainingServer(uvicorn.Server):
 def serve(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
-    from engines.blas import describe_blas
-    from engines.precision import float32_matmuls
+    from engines.platform.blas import describe_blas
+    from engines.platform.precision import float32_matmuls
     from server.app import create_app
 
     config = build_config(args)

@@ -109,8 +109,8 @@ def holding_first_token(factory, seconds: float):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engines.precision import keep_float32_exact
-    from server.blas_preload import ensure_fast_blas
+    from engines.platform.blas_preload import ensure_fast_blas
+    from engines.platform.precision import keep_float32_exact
     from server.logging_setup import configure_logging
 
     launcher, args = parse(sys.argv[1:] if argv is None else argv)

@@ -12,9 +12,9 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from engines.demo import TinyModelSpec, build_tiny_model
-from engines.measured_costs import CostModel
-from engines.precision import keep_float32_exact
+from engines.gating.measured_costs import CostModel
+from engines.model.demo import TinyModelSpec, build_tiny_model
+from engines.platform.precision import keep_float32_exact
 from scheduler import Scheduler, SchedulerConfig
 from server.app import create_app
 from server.config import ServerConfig

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from engines.acceptance import accept_greedy, accept_sampled, one_hot_probs
+from engines.sample.acceptance import accept_greedy, accept_sampled, one_hot_probs
 
 TRIALS = 100_000
 P_VALUE_FLOOR = 1e-3

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from engines.batch_costs import BatchCosts, RowOption, choose_draft_length
-from engines.measured_costs import CostModel
+from engines.batched.costs import BatchCosts, RowOption, choose_draft_length
+from engines.gating.measured_costs import CostModel
 
 FLAT = CostModel.assumed(9, per_token=0.02, draft_step=0.05)
 STEEP = CostModel.assumed(9, per_token=1.0, draft_step=0.05)

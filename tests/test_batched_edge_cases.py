@@ -12,7 +12,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from engines.sequence import FinishReason, make_sequence
-from engines.spec_state import SequenceState
+from engines.state import SequenceState
 from tests.test_batched_speculation import (
     CODE_PROMPT,
     PROMPTS,
@@ -395,7 +395,7 @@ def test_random_mix_of_rows_each_equal_solo_decoding(request, pair, reference, s
 def test_caches_released_mid_run_continue_exactly_from_the_prefix_cache(self_engines, reference):
     """Rows finishing inside accepted runs (stop string, EOS, max_tokens) leave caches
     that, stored in the prefix cache, continue exactly for a follow-up prompt."""
-    from engines.prefix_cache import PrefixCache
+    from scheduler.prefix_cache import PrefixCache
 
     _, engine = self_engines
     tokenizer = reference.tokenizer
@@ -453,11 +453,11 @@ ARCH_MIX = {
 def arch_engines(tmp_path_factory, tiny_model_dir, perturbed_draft_dir):
     from mlx_lm import load
 
-    from engines.batched_spec import BatchedSpeculativeEngine
-    from engines.mtp import load_head
-    from engines.registry import ModelRegistry
-    from engines.spec_state import SpecConfig
-    from engines.speculative import SpeculativeEngine
+    from engines.batched.engine import BatchedSpeculativeEngine
+    from engines.model.mtp import load_head
+    from engines.model.registry import ModelRegistry
+    from engines.single.engine import SpeculativeEngine
+    from engines.state import SpecConfig
     from tests.conftest import Reference
     from tests.test_batched_speculation import COST
     from tests.tiny_archs import build_tiny_arch

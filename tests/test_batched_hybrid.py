@@ -1,7 +1,7 @@
 """Speculation inside the batch for hybrid models (recurrent layers beside attention):
 Qwen3-Next, Qwen3.5 and LFM2 rows draft (prompt lookup, a plain-KV draft model), one
 forward verifies them, and each row's recurrent state is restored and rerun on
-exactly its kept tokens (`engines/ragged_recurrent.py`) while its KV layers cut --
+exactly its kept tokens (`engines/cache/ragged_recurrent.py`) while its KV layers cut --
 every row's output equal to its solo plain decoding with mlx-lm. Rows also prefill
 raggedly (padding never enters a recurrent state) and move in and out of the batch
 both ways, so a hybrid request drafts alone again once the others finish."""

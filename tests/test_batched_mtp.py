@@ -1,4 +1,4 @@
-"""The MTP head drafting inside the continuous batch (`engines/batched_mtp.py`).
+"""The MTP head drafting inside the continuous batch (`engines/batched/mtp.py`).
 
 Tiny Qwen3.5 / Qwen3-Next hybrids whose checkpoints carry a head (`tests/tiny_archs.py`):
 the "copy" head reproduces the target's next-token path, so most drafts are accepted
@@ -17,14 +17,14 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from engines.batched_spec import BatchedSpeculativeEngine
-from engines.mtp import load_head
-from engines.registry import ModelRegistry
+from engines.batched.engine import BatchedSpeculativeEngine
+from engines.model.mtp import load_head
+from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
-from engines.sampling import RandomStream
+from engines.sample.sampling import RandomStream
 from engines.sequence import make_sequence
-from engines.spec_state import SpecConfig
-from engines.speculative import SpeculativeEngine
+from engines.single.engine import SpeculativeEngine
+from engines.state import SpecConfig
 from tests.conftest import Reference, make_client, start_scheduler
 from tests.distributions import assert_same_token_distribution
 from tests.test_batched_speculation import (

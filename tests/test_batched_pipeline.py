@@ -9,14 +9,14 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from engines.batch_costs import MODEL, BatchCosts
-from engines.batched_spec import BatchedSpeculativeEngine
-from engines.measured_costs import CostModel
-from engines.registry import ModelRegistry
+from engines.batched.costs import MODEL, BatchCosts
+from engines.batched.engine import BatchedSpeculativeEngine
+from engines.gating.measured_costs import CostModel
+from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams
 from engines.sequence import FinishReason, make_sequence
-from engines.spec_state import SpecConfig
-from engines.speculative import SpeculativeEngine
+from engines.single.engine import SpeculativeEngine
+from engines.state import SpecConfig
 from tests.distributions import assert_same_token_distribution
 from tests.test_batched_speculation import PROMPTS, greedy_request
 

@@ -13,16 +13,16 @@ import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
-from engines.batch_costs import BatchCosts
-from engines.batched_spec import BatchedSpeculativeEngine
-from engines.measured_costs import CostModel
-from engines.ragged_cache import RaggedKVCache, ragged_from_rows
-from engines.registry import ModelRegistry
+from engines.batched.costs import BatchCosts
+from engines.batched.engine import BatchedSpeculativeEngine
+from engines.cache.ragged_cache import RaggedKVCache, ragged_from_rows
+from engines.gating.measured_costs import CostModel
+from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
-from engines.sampling import RandomStream
+from engines.sample.sampling import RandomStream
 from engines.sequence import FinishReason, make_sequence
-from engines.spec_state import SequenceState, SpecConfig
-from engines.speculative import SpeculativeEngine
+from engines.single.engine import SpeculativeEngine
+from engines.state import SequenceState, SpecConfig
 from tests.distributions import assert_same_token_distribution
 
 # Nearly flat verify costs (as for a tiny model): drafting pays at every batch size,
@@ -646,7 +646,7 @@ def test_greedy_draft_rows_chain_lazily_to_the_same_drafts_as_step_by_step(
         ]
 
     chained, _, drafted = run_batch(engine, requests())
-    monkeypatch.setattr("engines.batched_drafting._greedy", lambda row: False)
+    monkeypatch.setattr("engines.batched.drafting._greedy", lambda row: False)
     stepwise, _, _ = run_batch(engine, requests())
     assert drafted > 0
     for i, p in enumerate(prompts):

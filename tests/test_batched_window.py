@@ -16,15 +16,15 @@ from mlx_lm import load
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
-from engines.ragged_cache import SLIDE_SLACK, RaggedKVCache, feed_rows, ragged_from_rows
-from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
-from engines.rollback import (
+from engines.cache.ragged_cache import SLIDE_SLACK, RaggedKVCache, feed_rows, ragged_from_rows
+from engines.cache.rollback import (
     RollbackError,
     supports_batched_rows,
     supports_rollback,
     take_snapshot,
     trim_exact,
 )
+from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from engines.sequence import FinishReason
 from tests.conftest import Reference, start_scheduler
 from tests.test_batched_speculation import (

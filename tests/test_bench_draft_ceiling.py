@@ -11,7 +11,7 @@ from mlx_lm import load
 
 from bench import draft_ceiling
 from bench.ceiling import greedy_output
-from engines.measured_costs import CostModel
+from engines.gating.measured_costs import CostModel
 
 
 def test_a_draft_equal_to_the_target_is_accepted_at_every_position(tiny_model_dir):

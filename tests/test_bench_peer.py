@@ -96,10 +96,10 @@ def test_with_a_draft_both_peer_configurations_run():
 
 
 def test_peer_gets_the_fast_blas_tandem_would_preload(monkeypatch):
-    import engines.blas
+    import engines.platform.blas
 
-    monkeypatch.setattr(engines.blas, "find_fast_blas", lambda: "/opt/libopenblas.so.0")
-    monkeypatch.setattr(engines.blas, "computes_on_cpu", lambda: True)
+    monkeypatch.setattr(engines.platform.blas, "find_fast_blas", lambda: "/opt/libopenblas.so.0")
+    monkeypatch.setattr(engines.platform.blas, "computes_on_cpu", lambda: True)
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.delenv("TANDEM_NO_BLAS_PRELOAD", raising=False)
     monkeypatch.setenv("LD_PRELOAD", "/x/libfoo.so")
@@ -110,7 +110,7 @@ def test_peer_gets_the_fast_blas_tandem_would_preload(monkeypatch):
     monkeypatch.setenv("TANDEM_NO_BLAS_PRELOAD", "1")  # tandem serve would not preload
     assert peer_env()["LD_PRELOAD"] == "/x/libfoo.so"
     monkeypatch.delenv("TANDEM_NO_BLAS_PRELOAD")
-    monkeypatch.setattr(engines.blas, "computes_on_cpu", lambda: False)  # MLX on a GPU
+    monkeypatch.setattr(engines.platform.blas, "computes_on_cpu", lambda: False)  # MLX on a GPU
     assert peer_env()["LD_PRELOAD"] == "/x/libfoo.so"
 
 
@@ -211,7 +211,7 @@ def test_ratios_are_against_the_better_peer_row(peer_run):
 
 
 def test_peer_runs_on_the_same_blas_as_tandem(peer_run):
-    from engines.blas import computes_on_cpu, find_fast_blas
+    from engines.platform.blas import computes_on_cpu, find_fast_blas
 
     result, _ = peer_run
     tandem_blas = result["server"]["blas"]["blas"]

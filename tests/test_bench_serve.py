@@ -249,7 +249,7 @@ def test_check_greedy_passes_on_tandem(tandem_run):
 
 
 def test_result_states_the_servers_blas(tandem_run):
-    from engines.blas import computes_on_cpu, find_fast_blas
+    from engines.platform.blas import computes_on_cpu, find_fast_blas
 
     result, _, _ = tandem_run
     blas = result["server"]["blas"]["blas"]

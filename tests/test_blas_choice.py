@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-import engines.blas
-from engines.blas import computes_on_cpu, find_fast_blas
+import engines.platform.blas
+from engines.platform.blas import computes_on_cpu, find_fast_blas
 from tests.test_process import BLAS_PRELOAD, env_without, running_server
 
 # The mkl wheel is a dependency on x86_64 Linux only, and only MLX's CPU backend uses it
@@ -30,9 +30,9 @@ def fake_libraries(tmp_path, monkeypatch):
     openblas.parent.mkdir()
     mkl = tmp_path / "venv" / "lib" / "libmkl_rt.so.3"
     mkl.parent.mkdir(parents=True)
-    monkeypatch.setattr(engines.blas, "_OPENBLAS_CANDIDATES", (str(openblas),))
+    monkeypatch.setattr(engines.platform.blas, "_OPENBLAS_CANDIDATES", (str(openblas),))
     monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
-    monkeypatch.setattr(engines.blas.sysconfig, "get_config_var", lambda name: None)
+    monkeypatch.setattr(engines.platform.blas.sysconfig, "get_config_var", lambda name: None)
     monkeypatch.delenv("TANDEM_BLAS", raising=False)
     return openblas, mkl
 

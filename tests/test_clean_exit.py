@@ -16,13 +16,13 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from engines.blas import find_fast_blas
+from engines.platform.blas import find_fast_blas
 
 TRIALS = 16
 
 SCRIPT = """
 import asyncio, sys
-from engines.measured_costs import CostModel
+from engines.gating.measured_costs import CostModel
 from engines.request import GenerationRequest
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler

@@ -14,9 +14,9 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from engines.drafters import DRAFT, PLD
-from engines.gates import MethodGate, best_draft_length, expected_tokens
-from engines.measured_costs import (
+from engines.drafting.draft import DRAFT, PLD
+from engines.gating.gates import MethodGate, best_draft_length, expected_tokens
+from engines.gating.measured_costs import (
     PLAIN,
     CostModel,
     Measured,
@@ -24,11 +24,11 @@ from engines.measured_costs import (
     RealizedRates,
     monotone_fit,
 )
-from engines.registry import LoadedModel, ModelRegistry
+from engines.model.registry import LoadedModel, ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from engines.sequence import make_sequence
-from engines.spec_state import SpecConfig
-from engines.speculative import SpeculativeEngine
+from engines.single.engine import SpeculativeEngine
+from engines.state import SpecConfig
 from tests.conftest import make_client
 
 

@@ -426,7 +426,7 @@ def test_cpu_dockerfile_base_and_openblas():
         pattern = link[1]
     else:
         pattern = preload
-    from engines.blas import _OPENBLAS_CANDIDATES
+    from engines.platform.blas import _OPENBLAS_CANDIDATES
 
     # The file the image preloads is one the server would find and preload itself.
     assert any(fnmatch.fnmatch(path, pattern) for path in _OPENBLAS_CANDIDATES), pattern

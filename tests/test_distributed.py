@@ -249,7 +249,7 @@ def test_a_rank_that_dies_fails_the_stream_and_health(tiny_model_dir, tmp_path):
 
 
 def test_a_rank_that_dies_while_idle_turns_health_to_503(tiny_model_dir, tmp_path):
-    """Every other rank holds a connection to rank 0 (engines/rank_watch.py) that its
+    """Every other rank holds a connection to rank 0 (engines/distributed/rank_watch.py) that its
     process's end closes: an idle rank 0 fails at once, so a balancer stops sending
     work before a request finds the rank gone."""
     with ranks_by_hand(tiny_model_dir, tmp_path) as server:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engines.draft_confidence import MEMORY, ConfidenceCalibration, DraftStop
-from engines.measured_costs import CostModel
+from engines.gating.draft_confidence import MEMORY, ConfidenceCalibration, DraftStop
+from engines.gating.measured_costs import CostModel
 from engines.request import SpeculationOverrides
-from engines.spec_state import SpecConfig
+from engines.state import SpecConfig
 from server.cli import build_parser
 from tests.distributions import assert_same_token_distribution
 from tests.test_speculative import STORY_PROMPT, first_tokens, make_engine, run

@@ -15,7 +15,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from engines.draft_vocab import (
+from engines.drafting.draft_vocab import (
     LEFT_OUT_LOGIT,
     MAX_OWN,
     OwnTokens,
@@ -24,12 +24,12 @@ from engines.draft_vocab import (
     kept_token_ids,
     reduce_draft_vocab,
 )
-from engines.registry import ModelRegistry
+from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
-from engines.sampling import RandomStream
+from engines.sample.sampling import RandomStream
 from engines.sequence import make_sequence
-from engines.spec_state import SpecConfig
-from engines.speculative import SpeculativeEngine
+from engines.single.engine import SpeculativeEngine
+from engines.state import SpecConfig
 from tests.distributions import assert_same_token_distribution
 from tests.test_batched_speculation import (
     COST,
@@ -143,7 +143,7 @@ def test_the_automatic_size_leaves_a_small_vocabulary_whole(draft):
 def test_the_drafter_scores_its_requests_own_tokens(draft):
     """A proposal brings the request's own tokens into its state, and drafts what the
     whole draft drafts for as long as that is a kept or an own token."""
-    from engines.drafters import DraftModelDrafter, DraftState
+    from engines.drafting.draft_model import DraftModelDrafter, DraftState
 
     model, tokenizer = draft
     reduced = reduce_draft_vocab(model, tokenizer, KEPT_ROWS)
@@ -180,7 +180,7 @@ def reduced_registry(target_dir, draft_dir):
 
 @pytest.fixture(scope="module")
 def reduced_engines(tiny_model_dir, perturbed_draft_dir):
-    from engines.batched_spec import BatchedSpeculativeEngine
+    from engines.batched.engine import BatchedSpeculativeEngine
 
     registry = reduced_registry(tiny_model_dir, perturbed_draft_dir)
     single = SpeculativeEngine(registry, SpecConfig(), cost=COST)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from engines.gguf_import import GGUFImportError, import_gguf
+from engines.model.gguf_import import GGUFImportError, import_gguf
 from tests.test_process import TANDEM, env_without, running_server
 
 GGUF_NAMES = {

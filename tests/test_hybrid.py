@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from engines.registry import OwnershipError
+from engines.model.registry import OwnershipError
 from engines.request import GenerationRequest, SamplingParams
 from engines.sequence import FinishReason
 from scheduler.policy import Mode, ModePolicy

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlx_lm import load
 
-from engines.demo import TinyModelSpec, build_tiny_model
+from engines.model.demo import TinyModelSpec, build_tiny_model
 from engines.request import SamplingParams
 from scheduler import SchedulerState
 from scheduler.kv_budget import GB, KVProfile

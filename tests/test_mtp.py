@@ -21,15 +21,15 @@ from mlx_lm import load
 from mlx_lm.sample_utils import make_logits_processors
 from scipy.stats import chisquare
 
-from engines.measured_costs import CostModel
-from engines.mtp import MTPUnavailable, convert_mtp_weights, load_head, read_mtp_weights
-from engines.mtp_drafter import MTPState
-from engines.registry import ModelRegistry
+from engines.drafting.mtp import MTPState
+from engines.gating.measured_costs import CostModel
+from engines.model.mtp import MTPUnavailable, convert_mtp_weights, load_head, read_mtp_weights
+from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
-from engines.sampling import RandomStream
+from engines.sample.sampling import RandomStream
 from engines.sequence import make_sequence
-from engines.spec_state import SequenceState, SpecConfig
-from engines.speculative import SpeculativeEngine
+from engines.single.engine import SpeculativeEngine
+from engines.state import SequenceState, SpecConfig
 from tests.conftest import Reference, make_client, start_scheduler
 from tests.distributions import assert_same_token_distribution
 from tests.test_metrics import scrape, value
@@ -309,7 +309,7 @@ def test_a_quantized_conversion_drafts_with_the_originals_head(checkpoints, tmp_
 
 
 def test_missing_mtp_weights_are_refused_with_the_path(tmp_path):
-    from engines.mtp import weights_source
+    from engines.model.mtp import weights_source
 
     with pytest.raises(MTPUnavailable, match="no file or folder"):
         weights_source(str(tmp_path / "nothing-here"))

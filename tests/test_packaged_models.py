@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.packaged_models import PackagedModel, PackagedModelUnavailable, packaged_gguf
+from engines.model.packaged_models import PackagedModel, PackagedModelUnavailable, packaged_gguf
 
 
 def build_wheel(folder: Path, name: str, version: str, piece: bytes) -> None:

@@ -8,12 +8,12 @@ import pytest
 from mlx_lm import generate
 from mlx_lm.sample_utils import make_logits_processors
 
-from engines.measured_costs import CostModel
-from engines.registry import ModelRegistry
+from engines.gating.measured_costs import CostModel
+from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams
 from engines.sequence import FinishReason, make_sequence
-from engines.spec_state import SpecConfig
-from engines.speculative import SpeculativeEngine
+from engines.single.engine import SpeculativeEngine
+from engines.state import SpecConfig
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_cancel_frees_the_engine(engine, reference):
 
 
 def test_forward_without_ownership_raises(engine, reference):
-    from engines.registry import OwnershipError
+    from engines.model.registry import OwnershipError
 
     engine.registry.transfer("someone-else")
     try:

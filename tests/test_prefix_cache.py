@@ -9,8 +9,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm import generate
 
-from engines.prefix_cache import PrefixCache
 from engines.request import GenerationRequest, SamplingParams
+from scheduler.prefix_cache import PrefixCache
 from tests.conftest import make_client, start_scheduler
 
 SYSTEM = "You are a careful assistant. Answer briefly and never repeat yourself. " * 3
@@ -268,7 +268,7 @@ def test_an_entry_keeps_the_draft_cache_cut_to_the_tokens_both_hold(
     target's entry then keeps all its tokens)."""
     from mlx_lm import load
 
-    from engines.drafters import DraftState
+    from engines.drafting.draft_model import DraftState
 
     draft_model, _ = load(str(perturbed_draft_dir))
     tokens = reference.tokenizer.encode("Once upon a time there was a little robot " * 6)

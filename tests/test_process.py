@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from bench.single_stream import free_port
-from engines.blas import computes_on_cpu, find_fast_blas
-from engines.precision import TF32_VARIABLE, float32_matmuls, keep_float32_exact
+from engines.platform.blas import computes_on_cpu, find_fast_blas
+from engines.platform.precision import TF32_VARIABLE, float32_matmuls, keep_float32_exact
 
 TANDEM = str(Path(sys.executable).parent / "tandem")
 # Without these the server decides for itself whether to re-exec with a fast BLAS,

@@ -205,7 +205,7 @@ def test_a_batched_prefill_keeps_checkpoints_that_continue_exactly(tmp_path, tin
     its end and keeps both caches; a request started from a checkpoint (another
     question after the shared part) decodes what mlx-lm decodes from scratch."""
     from engines.sequence import make_sequence
-    from engines.spec_state import SequenceState
+    from engines.state import SequenceState
     from tests.test_batched_speculation import make_engines, run_batch
 
     path = build_tiny_arch("qwen3_next", tmp_path / "qwen3_next", tiny_model_dir)

@@ -1,4 +1,4 @@
-"""Prompt lookup that follows a copy through edits (`engines.prompt_lookup`).
+"""Prompt lookup that follows a copy through edits (`engines.drafting.prompt_lookup`).
 
 Unit tests drive `CopyLookup` with token ids standing for an edited copy of a prompt;
 the engine test serves a scripted rename of a code prompt through the real speculative
@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import pytest
 
-from engines.drafters import PLD
-from engines.gates import MethodGate, prompt_repetition_score
-from engines.measured_costs import CostModel
-from engines.prompt_lookup import MAX_SUBSTITUTIONS, CopyLookup
-from engines.registry import ModelRegistry
+from engines.drafting.draft import PLD
+from engines.drafting.prompt_lookup import MAX_SUBSTITUTIONS, CopyLookup
+from engines.gating.gates import MethodGate, prompt_repetition_score
+from engines.gating.measured_costs import CostModel
+from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams
 from engines.sequence import make_sequence
-from engines.spec_state import SpecConfig
-from engines.speculative import SpeculativeEngine
+from engines.single.engine import SpeculativeEngine
+from engines.state import SpecConfig
 from tests.forcing import forced_tokens_processor
 
 OLD, NEW = [50, 51], [60, 61, 62]  # a renamed identifier: two tokens became three

@@ -9,8 +9,8 @@ import json
 import pytest
 from mlx_lm import generate, load
 
-from engines.gguf_import import import_gguf
-from engines.packaged_models import SMOLLM2_135M, packaged_gguf
+from engines.model.gguf_import import import_gguf
+from engines.model.packaged_models import SMOLLM2_135M, packaged_gguf
 from tests.clients import CODE, chat, post_chat, served
 from tests.conftest import make_client
 

@@ -43,10 +43,10 @@ STORY_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def stories_spec_engine():
-    from engines.measured_costs import CostModel
-    from engines.registry import ModelRegistry
-    from engines.spec_state import SpecConfig
-    from engines.speculative import SpeculativeEngine
+    from engines.gating.measured_costs import CostModel
+    from engines.model.registry import ModelRegistry
+    from engines.single.engine import SpeculativeEngine
+    from engines.state import SpecConfig
 
     registry = ModelRegistry.load(str(STORIES), str(SALTY))
     engine = SpeculativeEngine(registry, SpecConfig(num_draft_tokens=4), CostModel.assumed(9))

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from mlx_lm import generate, load
 
-from engines.gguf_import import import_gguf
-from engines.packaged_models import QWEN_CODER_05B, packaged_gguf
+from engines.model.gguf_import import import_gguf
+from engines.model.packaged_models import QWEN_CODER_05B, packaged_gguf
 from tests.clients import CODE, chat, post_chat, served
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ async def test_a_draft_scoring_a_sixth_of_the_vocabulary_keeps_the_output(qwen, 
     only the first 16,384 ids, the special tokens and the request's own by default. The
     answer is plain decoding's, token for token; the draft names the rare tokens the
     prompt brought (the identifiers of the code) and most of its tokens are accepted."""
-    from engines.draft_vocab import ReducedVocabDraft
+    from engines.drafting.draft_vocab import ReducedVocabDraft
     from tests.conftest import start_scheduler
 
     request = chat(

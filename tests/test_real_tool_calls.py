@@ -10,8 +10,8 @@ import json
 import anthropic
 import pytest
 
-from engines.gguf_import import import_gguf
-from engines.packaged_models import QWEN_CODER_05B, packaged_gguf
+from engines.model.gguf_import import import_gguf
+from engines.model.packaged_models import QWEN_CODER_05B, packaged_gguf
 from tests.clients import openai_sdk, streamed_chat
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
 from tests.test_anthropic import sdk as anthropic_sdk

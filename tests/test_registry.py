@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engines.demo import build_tiny_model
 from engines.errors import DraftIncompatible
-from engines.registry import ModelRegistry
+from engines.model.demo import build_tiny_model
+from engines.model.registry import ModelRegistry
 
 
 def test_loads_target_and_compatible_draft(tiny_model_dir, tiny_draft_dir):

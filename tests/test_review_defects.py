@@ -21,10 +21,11 @@ import asyncio
 import pytest
 from mlx_lm import load
 
-from engines.batched_drafting import BatchRow, DraftModelRows
-from engines.drafters import DRAFT, PromptLookupDrafter
-from engines.ragged_cache import ragged_from_rows
-from engines.registry import ModelRegistry
+from engines.batched.drafting import BatchRow, DraftModelRows
+from engines.cache.ragged_cache import ragged_from_rows
+from engines.drafting.draft import DRAFT
+from engines.drafting.prompt_lookup import PromptLookupDrafter
+from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from engines.sequence import make_sequence
 from scheduler import SchedulerState

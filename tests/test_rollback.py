@@ -23,12 +23,10 @@ from mlx_lm import load
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
-from engines.batched import BatchedEngine
-from engines.batched_spec import BatchedSpeculativeEngine
-from engines.ragged_cache import RaggedKVCache
-from engines.registry import ModelRegistry
-from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
-from engines.rollback import (
+from engines.batched.engine import BatchedSpeculativeEngine
+from engines.batched.fallback import BatchedEngine
+from engines.cache.ragged_cache import RaggedKVCache
+from engines.cache.rollback import (
     RollbackError,
     capturing_inputs,
     roll_back,
@@ -37,6 +35,8 @@ from engines.rollback import (
     take_snapshot,
     trim_exact,
 )
+from engines.model.registry import ModelRegistry
+from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from engines.sequence import make_sequence
 from scheduler import SchedulerState
 from tests.conftest import Reference, make_client, start_scheduler

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engines.batched import SamplerPool
+from engines.batched.fallback import SamplerPool
 from engines.request import GenerationRequest, SamplingParams
 from engines.sequence import make_sequence
 

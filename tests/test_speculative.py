@@ -8,14 +8,14 @@ import mlx.core as mx
 import pytest
 from mlx_lm.sample_utils import make_logits_processors
 
-from engines.drafters import DraftModelDrafter, DraftState
-from engines.measured_costs import CostModel
-from engines.registry import ModelRegistry
+from engines.drafting.draft_model import DraftModelDrafter, DraftState
+from engines.gating.measured_costs import CostModel
+from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
-from engines.sampling import RandomStream
+from engines.sample.sampling import RandomStream
 from engines.sequence import FinishReason, make_sequence
-from engines.spec_state import SpecConfig
-from engines.speculative import SpeculativeEngine
+from engines.single.engine import SpeculativeEngine
+from engines.state import SpecConfig
 from tests.distributions import assert_same_token_distribution
 
 COST = CostModel.assumed(9)

@@ -17,8 +17,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from engines.logprobs import token_logprobs
 from engines.request import GenerationRequest, SamplingParams
+from engines.sample.logprobs import token_logprobs
 from server.openai.logprobs import token_text
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
 from tests.test_logprobs_echo_fim import assert_prompt_logprobs_match, reference_logprobs

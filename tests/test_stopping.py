@@ -1,6 +1,6 @@
 """Text stop sequences: matched across token boundaries, never leaked to the client."""
 
-from engines.stopping import StopMatcher
+from engines.sample.stopping import StopMatcher
 
 
 def feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[str, str | None]:

@@ -15,9 +15,9 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from engines.constraints import GrammarCompiler
 from engines.errors import InvalidRequest, RequestFailed
 from engines.request import GenerationRequest, SamplingParams
+from engines.sample.constraints import GrammarCompiler
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
 
 SCHEMA = {

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from engines.constraints import GrammarCompiler
+from engines.sample.constraints import GrammarCompiler
 from tests.clients import forced_scheduler
 from tests.conftest import make_client
 

@@ -175,7 +175,7 @@ def build_tiny_arch(
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
-    from engines.demo import _scale_layer_weight
+    from engines.model.demo import _scale_layer_weight
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for item in tokenizer_dir.iterdir():
@@ -223,6 +223,6 @@ def build_tiny_arch(
 
 def _scale_text_layer(path: str, value):
     """The demo's layer-weight scale for a model whose text layers sit one level down."""
-    from engines.demo import _scale_layer_weight
+    from engines.model.demo import _scale_layer_weight
 
     return _scale_layer_weight(path.removeprefix("language_model."), value)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.logprobs import TokenLogprob
+from engines.sample.logprobs import TokenLogprob
 
 
 def token_text(tokenizer: Any, token: int) -> str:

@@ -6,7 +6,7 @@ turns Claude Code's first request into ~52k tokens, and its context is 2048. Tra
 on the recorded requests (tests/data/agent_requests/) with a larger vocabulary, the
 same prompts are a few times shorter, so a CPU prefills them in seconds, and the
 context (131072) holds a whole session. Chat template and special tokens are the demo
-model's (engines/demo.py), so tool calls are Qwen-style `<tool_call>` JSON.
+model's (engines/model/demo.py), so tool calls are Qwen-style `<tool_call>` JSON.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engines.demo import (
+from engines.model.demo import (
     _CORPUS,
     CHAT_TEMPLATE,
     EOS_TOKEN,

@@ -15,7 +15,7 @@ from engines.request import GenerationRequest
 from tests.forcing import forced_tokens_processor
 
 MARKER = "FORCE:agent-"
-# How the demo chat template renders a tool's result (engines/demo.py CHAT_TEMPLATE).
+# How the demo chat template renders a tool's result (engines/model/demo.py CHAT_TEMPLATE).
 TOOL_RESULT = "<tool_response>"
 CALC = "def add(a, b):\n    return a + b\n"
 DIV = "\n\ndef div(a, b):\n    return a / b\n"

@@ -1,0 +1,39 @@
+"""What a drafter proposes, and the names of the drafting methods.
+
+A leaf: every drafter, gate and cost model names methods through these constants, so
+none of them imports another to learn a name. `propose(context, k) -> Draft | None` is
+the one drafter protocol (`Drafter`); a draft carries the tokens and, for a stochastic
+drafter, the probabilities q it sampled them from (None = one-hot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import mlx.core as mx
+
+PLD = "pld"
+DRAFT = "draft"
+MTP = "mtp"  # the model's own multi-token-prediction head (engines.drafting.mtp)
+
+
+@dataclass
+class Draft:
+    method: str  # PLD, DRAFT or MTP
+    tokens: list[int]
+    probs: mx.array | None  # (k, V) float32 q for sampled drafts; None = one-hot
+    match_length: int = 0  # PLD: length of the n-gram that matched
+    confidences: list[float] = field(default_factory=list)  # draft model: its p(token)
+
+    @property
+    def gate(self) -> str:
+        """The gate that rules this draft: a model drafter's (DRAFT) for the draft model
+        and the MTP head alike -- one model drafter serves at a time -- else PLD's."""
+        return DRAFT if self.method == MTP else self.method
+
+
+class Drafter(Protocol):
+    """What every drafter offers: up to k tokens that may follow `context`, or None."""
+
+    def propose(self, context: list[int], k: int) -> Draft | None: ...

@@ -1,0 +1,64 @@
+"""What each request may draft: its longest draft per method and the gates it starts
+with. One object, shared by the single-stream and the batched engine, so a request
+migrating between them keeps the same limits and its gates are opened the same way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engines.drafting.draft import DRAFT, PLD
+from engines.gating.gates import MethodGate, prompt_repetition_score
+from engines.sequence import Sequence
+from engines.state import SpecConfig
+from engines.telemetry import SpecStats
+
+
+@dataclass
+class DraftLimits:
+    config: SpecConfig
+    has_model_drafter: bool  # a draft model or the target's MTP head
+    totals: SpecStats  # lifetime counters: a prompt that closes lookup's gate is counted
+
+    @property
+    def k_cap(self) -> int:
+        """The longest draft of the model drafter (a request may ask for less)."""
+        return max(self.config.num_draft_tokens, self.config.max_draft_tokens)
+
+    @property
+    def pld_cap(self) -> int:
+        """Prompt lookup's own cap: its drafts cost nothing to make, so a long copy of
+        the prompt may draft beyond the model drafter's cap."""
+        return max(self.k_cap, self.config.pld_max_draft_tokens) if self.k_cap else 0
+
+    def request_k(self, seq: Sequence, method: str = DRAFT) -> int:
+        """The longest draft `method` may propose for this request: the request's own
+        num_draft_tokens if it set one; else the server's for the draft model, and
+        lookup's own cap for prompt lookup, whose drafts cost nothing to make (a long
+        copy of the prompt pays with long drafts; the gate still picks k by what
+        verifies cost)."""
+        k = seq.request.speculation.num_draft_tokens
+        if k is not None:
+            return max(0, min(k, self.k_cap))
+        if method == PLD and self.config.num_draft_tokens > 0:
+            return self.pld_cap
+        return self.config.num_draft_tokens
+
+    def initial_gates(self, seq: Sequence) -> dict[str, MethodGate]:
+        """A gate per drafting method the request may use. Lookup's starts closed on a
+        prompt with too little repetition to copy from (it reopens on evidence)."""
+        overrides = seq.request.speculation
+        gates = {}
+        if self.request_k(seq) == 0:
+            return gates
+        pld_on = self.config.enable_pld if overrides.enable_pld is None else overrides.enable_pld
+        if pld_on:
+            gate = MethodGate(PLD, alpha=0.5)
+            score = prompt_repetition_score(seq.request.prompt_tokens)
+            if score < self.config.prompt_gate_threshold:
+                gate.close()
+                seq.spec.trip("prompt")
+                self.totals.trip("prompt")
+            gates[PLD] = gate
+        if self.has_model_drafter and overrides.enable_draft is not False:
+            gates[DRAFT] = MethodGate(DRAFT, alpha=0.6)
+        return gates

@@ -1,0 +1,437 @@
+"""The speculative engine: serves one sequence, exactly, as fast as drafting allows.
+
+Each step is one of:
+  * prefill: one chunk of the prompt (all but its last token);
+  * verify: a drafter proposes d1..dk, one target forward scores [last, d1..dk],
+    `acceptance` decides how many drafts survive and which token follows them;
+  * plain: one target forward over [last] (k = 0). Consecutive plain steps are
+    pipelined like `mlx_lm.generate_step`: the next forward is queued before the
+    current token is read, so gated-off speculation costs nothing.
+Which of these a step is, and how far it drafts, is `single_stream_policy`'s call
+within the request's `draft_limits`; this module runs the step and keeps the cache.
+
+Invariant after every step: the target cache holds exactly the committed tokens
+except the newest one (`last`), which is the input of the next forward -- or, when
+a plain token is in flight, the cache also holds `last` and the in-flight token is
+sampled but not yet committed. `export` settles that and hands the state over.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+from engines.cache.rollback import (
+    can_trim,
+    capturing_inputs,
+    detached_copy,
+    roll_back,
+    take_snapshot,
+    trim_exact,
+)
+from engines.drafting.draft import DRAFT, PLD, Draft
+from engines.drafting.draft_model import DraftModelDrafter, DraftState
+from engines.drafting.draft_vocab import describe_vocabulary, vocabulary_of
+from engines.drafting.mtp import MTPDrafter, MTPState
+from engines.drafting.prompt_lookup import PromptLookupDrafter
+from engines.gating.draft_confidence import ConfidenceCalibration
+from engines.gating.draft_limits import DraftLimits
+from engines.gating.measured_costs import PLAIN, CostModel, OnlineCosts, RealizedRates
+from engines.model.mtp import MTPStepModel, TargetParts
+from engines.model.registry import ModelRegistry
+from engines.request import at_checkpoint, next_checkpoint
+from engines.sample.acceptance import accept_greedy, accept_sampled, one_hot_probs, pad_vocab
+from engines.sample.logprobs import token_logprob, token_logprobs
+from engines.sample.sampling import coupled_tokens, filter_logprobs, sample_token
+from engines.sequence import FinishReason, Sequence, StepOutput
+from engines.single.active import Active
+from engines.single.policy import SingleStreamPolicy
+from engines.state import SequenceState, SpecConfig
+from engines.telemetry import SpecStats
+
+log = logging.getLogger(__name__)
+
+
+class SpeculativeEngine:
+    name = "speculative"
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        config: SpecConfig | None = None,
+        cost: CostModel | None = None,
+    ) -> None:
+        config = config or SpecConfig()
+        self.registry = registry
+        self.model = registry.model_for(self.name)
+        self.config = config
+        self.totals = SpecStats()  # lifetime counters for /metrics
+        has_drafter = registry.draft is not None or registry.mtp is not None
+        self.limits = DraftLimits(config, has_drafter, self.totals)
+        draft_model = registry.draft.model if registry.draft else None
+        # The model's own MTP head drafts when there is no draft model (one model
+        # drafter at a time); it needs the target's hidden states, so forwards split.
+        self.target_parts = TargetParts(registry.target.model) if registry.mtp else None
+        if draft_model is None and registry.mtp is not None:
+            draft_model = MTPStepModel(registry.mtp, self.target_parts)
+        measured = cost or CostModel.measure(
+            registry.target.model, draft_model, self.limits.k_cap + 1
+        )
+        measured = measured.extended(self.limits.pld_cap + 1)  # then learned as verifies are served
+        # A cost model given explicitly (tests) stays fixed, so gating is repeatable.
+        self.costs = OnlineCosts(measured, learn=cost is None)
+        # What drafting with the draft model really gives against plain steps; off with
+        # a fixed cost model (tests), whose gating must not depend on the machine.
+        self.realized = (
+            RealizedRates.starting_from(measured.plain_seconds) if cost is None else None
+        )
+        self.vocab_size = registry.target.vocab_size
+        self.drafter: DraftModelDrafter | MTPDrafter | None = None
+        if registry.draft is not None:
+            self.drafter = DraftModelDrafter(
+                registry.draft.model,
+                min(registry.draft.vocab_size, self.vocab_size),
+                config.prefill_step_size,
+            )
+        elif registry.mtp is not None:
+            self.drafter = MTPDrafter(registry.mtp, self.target_parts, self.vocab_size)
+        # how often the draft model is right, by how sure it was (the pair's property)
+        self.confidence = ConfidenceCalibration()
+        self.policy = SingleStreamPolicy(
+            self.limits, self.costs, self.realized, self.drafter, self.confidence
+        )
+        self.active: Active | None = None
+        self.released: list[SequenceState] = []  # finished sequences' caches, for reuse
+        self.checkpoint_prompts = False  # keep prompt checkpoints (there is a prefix cache)
+        self.checkpoints: list[SequenceState] = []  # prefilled prompts' caches, for reuse
+
+    def describe(self) -> str:
+        methods = (["pld"] if self.config.enable_pld else []) + (
+            [self.drafter.method] if self.drafter else []
+        )
+        cost = self.cost
+        costs = ", ".join(f"{c:.2f}" for c in cost.verify[: self.config.num_draft_tokens + 1])
+        draft_model = getattr(self.drafter, "model", None)
+        scores = (
+            f", scores {describe_vocabulary(draft_model)}" if vocabulary_of(draft_model) else ""
+        )
+        return (
+            f"methods={'+'.join(methods) or 'none'} k={self.config.num_draft_tokens} "
+            + (f"({self.drafter.method}: stops when unsure{scores}) " if self.drafter else "")
+            + (f"(prompt lookup up to {self.limits.pld_cap}) " if self.config.enable_pld else "")
+            + f"verify cost vs plain step for 1..k+1 tokens=[{costs}]"
+            + (f" draft step={cost.draft_step:.2f}" if self.drafter else "")
+        )
+
+    @property
+    def cost(self) -> CostModel:
+        return self.costs.model()
+
+    # ---- admission and hand-over ------------------------------------------------
+
+    @property
+    def has_capacity(self) -> bool:
+        return self.active is None
+
+    @property
+    def active_ids(self) -> list[str]:
+        return [self.active.seq.request_id] if self.active else []
+
+    def add(self, seq: Sequence) -> None:
+        self.resume(SequenceState(seq, make_prompt_cache(self.model), 0))
+
+    def resume(self, state: SequenceState) -> None:
+        """Continue a sequence from exported state, without re-prefilling its cache."""
+        assert self.active is None, "the speculative engine serves one sequence at a time"
+        seq = state.seq
+        active = Active(seq, state.cache, state.cached, seq.processors)
+        active.pld = state.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
+        active.draft = state.draft or DraftState()
+        active.mtp = state.mtp or MTPState()
+        if active.processors:
+            active.history = mx.array(active.tokens[: state.cached], dtype=mx.int32)
+        active.gates = state.gates if state.gates is not None else self.limits.initial_gates(seq)
+        self.active = active
+
+    admit = resume
+
+    def export(self) -> tuple[SequenceState, list[StepOutput]]:
+        """Hand the sequence over at a step boundary. A plain token already in flight
+        is committed first; its output is returned so the caller can publish it."""
+        active = self.active
+        outputs = []
+        try:
+            if active.in_flight is not None:
+                outputs = self._commit_in_flight(pipeline=False)
+        except Exception as exc:  # noqa: BLE001 - a failing commit fails its request only
+            log.exception("request %s failed while being handed over", active.seq.request_id)
+            active.seq.finish_reason = FinishReason.ERROR
+            error = StepOutput(active.seq.request_id, [], "", FinishReason.ERROR, error=str(exc))
+            outputs = [error]
+        self.active = None
+        state = SequenceState(
+            active.seq,
+            active.cache,
+            active.cached,
+            active.gates,
+            active.pld,
+            active.draft,
+            active.mtp,
+        )
+        return state, outputs
+
+    def cancel(self, request_id: str) -> bool:
+        if self.active is None or self.active.seq.request_id != request_id:
+            return False
+        self.active.seq.finish_reason = FinishReason.CANCELLED
+        self._release()
+        return True
+
+    # ---- the step ---------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        active = self.active
+        if active is None:
+            return []
+        if len(active.tokens) - active.cached > 1:
+            self._prefill_chunk(active)
+            return []
+        started = time.perf_counter()
+        if active.in_flight is None:
+            draft = self.policy.propose(active, self._drafter_state(active))
+            if draft is not None:
+                proposed = time.perf_counter()
+                # Only steady proposals: a catch-up prefill of the draft (new request,
+                # return from batching) is a once-per-request cost like the prompt's
+                # prefill, not what a drafting step costs.
+                model_state = self._drafter_state(active)
+                caught_up = model_state.caught_up if draft.gate == DRAFT else 0
+                if draft.gate == DRAFT and caught_up <= 2:
+                    self.costs.observe_draft(len(draft.tokens), proposed - started)
+                outputs = self._verify(active, draft)
+                finished = time.perf_counter()
+                self.costs.observe_verify(len(draft.tokens) + 1, finished - proposed)
+                committed = sum(len(o.token_ids) for o in outputs)
+                if draft.method == PLD and PLD in active.gates:
+                    active.gates[PLD].observe_outcome(finished - started, committed)
+                # Every drafting step counts in what drafting gives, less the time it took
+                # to catch the draft model up on tokens it had not seen (a prompt, a run
+                # of plain steps): a once-per-switch cost, not what drafting steps cost.
+                # Steps after a long catch-up left out entirely, a closed gate's probes
+                # never counted, and a verdict of "slower" could never be revised.
+                if self.realized and draft.gate == DRAFT:
+                    seconds = finished - started - model_state.catch_up_seconds
+                    self.realized.observe_draft(
+                        DRAFT, len(draft.tokens), seconds, committed, active.predicted
+                    )
+                return outputs
+            active.in_flight, active.in_flight_logprobs = self._forward_and_sample(
+                active, mx.array(active.tokens[-1:]), len(active.seq.generated)
+            )
+            active.cached += 1
+            return self._commit_in_flight(pipeline=True)
+        outputs = self._commit_in_flight(pipeline=True)
+        if self.active is not None and self.active.in_flight is not None:
+            # Started with a token in flight and queued the next one: a steady pipelined
+            # plain step, the cost drafting has to beat. (The last plain step before a
+            # draft only reads a token computed long ago; it would look nearly free.)
+            seconds = time.perf_counter() - started
+            self.costs.observe_plain(seconds)
+            if self.realized is not None:
+                self.realized.observe(PLAIN, seconds, 1)
+        return outputs
+
+    def _prefill_chunk(self, active: Active) -> None:
+        """Feed the next chunk of the prompt (ending at a checkpoint if one is due)."""
+        end = len(active.tokens) - 1
+        if self.checkpoint_prompts:
+            end = next_checkpoint(active.seq.request, active.cached, end)
+        chunk = mx.array(active.tokens[active.cached : end][: self.config.prefill_step_size])
+        if self._feeds_mtp(active):
+            # the MTP head sees the prompt too: each position's hidden state with the
+            # token after it, fed now (not kept: a long prompt's states are large)
+            _, hidden = self._forward(active, chunk)
+            following = active.tokens[active.cached + 1 : active.cached + 1 + chunk.size]
+            active.mtp.observe(active.cached, hidden[0], mx.array(following))
+            self.drafter.feed(active.mtp)
+            mx.eval([c.state for c in active.cache], [c.state for c in active.mtp.cache])
+        else:
+            self.model(chunk[None], cache=active.cache)
+            mx.eval([c.state for c in active.cache])
+        if active.processors:
+            active.history = mx.concat([active.history, chunk])
+        active.cached += chunk.size
+        if self.checkpoint_prompts and at_checkpoint(active.seq.request, active.cached, end):
+            self._checkpoint(active)
+        mx.clear_cache()
+
+    def _checkpoint(self, active: Active) -> None:
+        """A prompt (or its checkpoint position) just prefilled into caches that cannot
+        be cut back later (recurrent state, a slid window): keep them as they are now,
+        so the same prompt again -- a retry, another choice, a shared system prompt --
+        starts from here (free: the arrays are shared values until the sequence's own
+        updates replace them)."""
+        if not can_trim_prompt_cache(active.cache):
+            copy = detached_copy(active.cache)
+            self.checkpoints.append(SequenceState(active.seq, copy, active.cached))
+
+    def _forward_and_sample(
+        self, active: Active, tokens: mx.array, position: int
+    ) -> tuple[mx.array, mx.array]:
+        """One plain target step on `tokens` (shape (1,)); returns the token sampled for
+        output `position` and the log-probabilities it was sampled from (lazy arrays)."""
+        logits, hidden = self._forward(active, tokens)
+        logits = logits[:, -1, :]
+        if active.processors:
+            active.history = mx.concat([active.history, tokens])
+            for processor in active.processors:
+                logits = processor(active.history, logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        params, rng = active.seq.request.sampling, active.seq.rng
+        token = sample_token(params, logprobs, rng, position)
+        if hidden is not None:
+            active.mtp.observe(active.cached, hidden[0], token)
+        return token, logprobs
+
+    def _feeds_mtp(self, active: Active) -> bool:
+        """The request may draft with the MTP head, so the head must see its tokens."""
+        return isinstance(self.drafter, MTPDrafter) and DRAFT in active.gates
+
+    def _forward(self, active: Active, tokens: mx.array) -> tuple[mx.array, mx.array | None]:
+        """A target forward over `tokens` (shape (n,)): logits (1, n, V), and the hidden
+        states before the LM head when the MTP head will need them (else None)."""
+        if not self._feeds_mtp(active):
+            return self.model(tokens[None], cache=active.cache), None
+        self.model.guard(tokens)
+        return self.target_parts.forward(tokens[None], active.cache)
+
+    def _drafter_state(self, active: Active) -> DraftState | MTPState:
+        return active.mtp if isinstance(self.drafter, MTPDrafter) else active.draft
+
+    def _commit_in_flight(self, pipeline: bool) -> list[StepOutput]:
+        active = self.active
+        seq = active.seq
+        current, current_logprobs = active.in_flight, active.in_flight_logprobs
+        active.in_flight = active.in_flight_logprobs = None
+        tokens_left = seq.request.max_tokens - len(seq.generated) - 1
+        if pipeline and tokens_left > 0 and self._next_step_is_plain(active):
+            # `current` is the token at output position len(generated); this samples the next.
+            active.in_flight, active.in_flight_logprobs = self._forward_and_sample(
+                active, current, len(seq.generated) + 1
+            )
+            mx.async_eval(active.in_flight)
+            active.cached += 1
+        for gate in active.gates.values():
+            gate.plain_token()
+        active.forced_plain = max(0, active.forced_plain - 1)
+        token = current.item()
+        output = StepOutput(seq.request_id, [token], seq.commit(token))
+        if seq.request.logprobs is not None:
+            output.logprobs = [token_logprob(current_logprobs[0], token, seq.request.logprobs)]
+        return self._finish_step(output)
+
+    def _next_step_is_plain(self, active: Active) -> bool:
+        return active.forced_plain > 0 or not any(gate.due for gate in active.gates.values())
+
+    # ---- drafting and verification ---------------------------------------------
+
+    def _verify(self, active: Active, draft: Draft) -> list[StepOutput]:
+        seq = active.seq
+        params = seq.request.sampling
+        k = len(draft.tokens)
+        fed = [active.tokens[-1], *draft.tokens]
+        snapshot = take_snapshot(active.cache)  # None unless the cache cannot trim
+        with capturing_inputs(self.registry.target.model, active.cache, snapshot):
+            logits, hidden = self._forward(active, mx.array(fed))
+        logits = logits[0]
+        logprobs = self._process_rows(active, logits, fed)
+        if params.greedy or seq.rng.seeded:
+            # Greedy: the argmax. Seeded: each position's plain seeded sample (coupled
+            # with the draft's draws), so the tokens are those of plain decoding.
+            target = (
+                mx.argmax(logprobs, axis=-1)
+                if params.greedy
+                else coupled_tokens(params, logprobs, seq.rng, len(seq.generated))
+            ).tolist()
+            accepted = accept_greedy(target, draft.tokens)
+            next_token = target[accepted]
+        else:
+            accepted, next_token = self._accept_sampled(active, logprobs, draft)
+        roll_back(active.cache, k - accepted, snapshot, self.model, fed[: 1 + accepted])
+        if hidden is not None:  # the accepted positions' states, each with its next token
+            following = mx.array([*draft.tokens[:accepted], next_token])
+            active.mtp.observe(active.cached, hidden[0, : 1 + accepted], following)
+        active.cached += 1 + accepted
+        if active.processors:
+            active.history = mx.concat([active.history, mx.array(fed[: 1 + accepted])])
+        self.policy.record(active, draft, accepted)
+        committed = [*draft.tokens[:accepted], next_token]
+        text = []
+        for token in committed:
+            text.append(seq.commit(token))
+            if seq.finished:
+                break
+        output = StepOutput(seq.request_id, committed[: len(text)], "".join(text))
+        if seq.request.logprobs is not None:
+            n = len(output.token_ids)
+            output.logprobs = token_logprobs(logprobs[:n], output.token_ids, seq.request.logprobs)
+        return self._finish_step(output)
+
+    def _process_rows(self, active: Active, logits: mx.array, fed: list[int]) -> mx.array:
+        """Log-probabilities at each verified position, after penalties and bias,
+        each row seeing exactly the history a plain step would have seen."""
+        if active.processors:
+            rows = []
+            for i in range(len(fed)):
+                history = mx.concat([active.history, mx.array(fed[: i + 1])])
+                row = logits[i : i + 1]
+                for processor in active.processors:
+                    row = processor(history, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def _accept_sampled(self, active: Active, logprobs: mx.array, draft: Draft):
+        params = active.seq.request.sampling
+        scaled = filter_logprobs(params, logprobs.astype(mx.float32)) * (1.0 / params.temperature)
+        p = mx.softmax(scaled, axis=-1)
+        drafts = mx.array(draft.tokens)
+        if draft.probs is None:
+            q = one_hot_probs(drafts, p.shape[-1])
+        else:
+            q = pad_vocab(draft.probs, p.shape[-1])
+        accepted, next_token = accept_sampled(
+            p[None], q[None], drafts[None], key=active.seq.rng.next_key()
+        )
+        return int(accepted.item()), int(next_token.item())
+
+    def _finish_step(self, output: StepOutput) -> list[StepOutput]:
+        seq = self.active.seq
+        output.finish_reason, output.matched_stop = seq.finish_reason, seq.matched_stop
+        if seq.finished:
+            self._release(keep_cache=True)
+        elif len(seq.generated) % 256 < len(output.token_ids):
+            mx.clear_cache()
+        return [output]
+
+    def _release(self, keep_cache: bool = False) -> None:
+        """Drop the active sequence; a finished one leaves its cache in `released`,
+        trimmed to the committed tokens it holds (a stop can end a run early). A
+        pipelined token still in flight is not committed, and the cache already holds
+        every committed token (the newest was fed to compute it): that cache is kept
+        as it is."""
+        active, self.active = self.active, None
+        if not keep_cache:
+            return
+        committed = len(active.tokens)
+        if active.cached > committed:
+            if not can_trim(active.cache, active.cached - committed):
+                return  # recurrent or windowed: it cannot be cut back to reuse
+            trim_exact(active.cache, active.cached - committed)
+            active.cached = committed
+        self.released.append(
+            SequenceState(active.seq, active.cache, active.cached, draft=active.draft)
+        )

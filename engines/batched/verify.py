@@ -17,9 +17,10 @@ import logging
 import mlx.core as mx
 
 from engines.batched.drafting import BatchRow
-from engines.sample.acceptance import accept_greedy, accept_sampled, one_hot_probs, pad_vocab
+from engines.sample.acceptance import accept_greedy
 from engines.sample.logprobs import token_logprobs
-from engines.sample.sampling import coupled_tokens, filter_logprobs, sample_token
+from engines.sample.sampling import coupled_tokens, sample_token
+from engines.sample.verify import accept_sampled_draft, processed_logits
 from engines.sequence import FinishReason, StepOutput
 
 log = logging.getLogger(__name__)
@@ -28,24 +29,15 @@ log = logging.getLogger(__name__)
 def process_rows(batch: list[BatchRow], logits: mx.array, fed_rows: list[list[int]]) -> mx.array:
     """Log-probabilities per row and position, after that row's processors with
     exactly the history a plain step would have seen."""
-    if not any(row.seq.processors for row in batch):
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    rows = []
-    for i, (row, fed) in enumerate(zip(batch, fed_rows, strict=True)):
-        row_logits = logits[i]
-        if row.seq.processors:
-            history = row.tokens[:-1]
-            positions = []
-            for j in range(row_logits.shape[0]):
-                context = mx.array([*history, *fed[: j + 1]]) if j < len(fed) else None
-                position = row_logits[j : j + 1]
-                if context is not None:
-                    for processor in row.seq.processors:
-                        position = processor(context, position)
-                positions.append(position)
-            row_logits = mx.concatenate(positions, axis=0)
-        rows.append(row_logits)
-    logits = mx.stack(rows)
+    if any(row.seq.processors for row in batch):
+        logits = mx.stack(
+            [
+                processed_logits(
+                    logits[i], mx.array(row.tokens[:-1], dtype=mx.int32), fed, row.seq.processors
+                )
+                for i, (row, fed) in enumerate(zip(batch, fed_rows, strict=True))
+            ]
+        )
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
@@ -87,16 +79,8 @@ def accept_rows(
 
 def accept_sampled_row(row: BatchRow, logprobs: mx.array, drafts: list[int]):
     """Leviathan's rule for one sampled row: (accepted, next token), lazy."""
-    params = row.seq.request.sampling
-    scaled = filter_logprobs(params, logprobs.astype(mx.float32)) * (1.0 / params.temperature)
-    p = mx.softmax(scaled, axis=-1)
-    tokens = mx.array(drafts)
-    if row.probs is None:
-        q = one_hot_probs(tokens, p.shape[-1])
-    else:
-        q = pad_vocab(row.probs, p.shape[-1])
-    accepted, token = accept_sampled(p[None], q[None], tokens[None], key=row.seq.rng.next_key())
-    return accepted[0], token[0]
+    seq = row.seq
+    return accept_sampled_draft(seq.request.sampling, seq.rng, logprobs, drafts, row.probs)
 
 
 def commit_row(row: BatchRow, committed: list[int], logprobs: mx.array) -> StepOutput:

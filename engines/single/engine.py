@@ -43,9 +43,10 @@ from engines.gating.measured_costs import PLAIN, CostModel, OnlineCosts, Realize
 from engines.model.mtp import MTPStepModel, TargetParts
 from engines.model.registry import ModelRegistry
 from engines.request import at_checkpoint, next_checkpoint
-from engines.sample.acceptance import accept_greedy, accept_sampled, one_hot_probs, pad_vocab
+from engines.sample.acceptance import accept_greedy
 from engines.sample.logprobs import token_logprob, token_logprobs
-from engines.sample.sampling import coupled_tokens, filter_logprobs, sample_token
+from engines.sample.sampling import coupled_tokens, sample_token
+from engines.sample.verify import accept_sampled_draft, processed_logits
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.single.active import Active
 from engines.single.policy import SingleStreamPolicy
@@ -347,7 +348,8 @@ class SpeculativeEngine:
         with capturing_inputs(self.registry.target.model, active.cache, snapshot):
             logits, hidden = self._forward(active, mx.array(fed))
         logits = logits[0]
-        logprobs = self._process_rows(active, logits, fed)
+        logits = processed_logits(logits, active.history, fed, active.processors)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if params.greedy or seq.rng.seeded:
             # Greedy: the argmax. Seeded: each position's plain seeded sample (coupled
             # with the draft's draws), so the tokens are those of plain decoding.
@@ -359,7 +361,10 @@ class SpeculativeEngine:
             accepted = accept_greedy(target, draft.tokens)
             next_token = target[accepted]
         else:
-            accepted, next_token = self._accept_sampled(active, logprobs, draft)
+            accepted, next_token = accept_sampled_draft(
+                params, seq.rng, logprobs, draft.tokens, draft.probs
+            )
+            accepted, next_token = int(accepted.item()), int(next_token.item())
         roll_back(active.cache, k - accepted, snapshot, self.model, fed[: 1 + accepted])
         if hidden is not None:  # the accepted positions' states, each with its next token
             following = mx.array([*draft.tokens[:accepted], next_token])
@@ -379,34 +384,6 @@ class SpeculativeEngine:
             n = len(output.token_ids)
             output.logprobs = token_logprobs(logprobs[:n], output.token_ids, seq.request.logprobs)
         return self._finish_step(output)
-
-    def _process_rows(self, active: Active, logits: mx.array, fed: list[int]) -> mx.array:
-        """Log-probabilities at each verified position, after penalties and bias,
-        each row seeing exactly the history a plain step would have seen."""
-        if active.processors:
-            rows = []
-            for i in range(len(fed)):
-                history = mx.concat([active.history, mx.array(fed[: i + 1])])
-                row = logits[i : i + 1]
-                for processor in active.processors:
-                    row = processor(history, row)
-                rows.append(row)
-            logits = mx.concatenate(rows, axis=0)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-    def _accept_sampled(self, active: Active, logprobs: mx.array, draft: Draft):
-        params = active.seq.request.sampling
-        scaled = filter_logprobs(params, logprobs.astype(mx.float32)) * (1.0 / params.temperature)
-        p = mx.softmax(scaled, axis=-1)
-        drafts = mx.array(draft.tokens)
-        if draft.probs is None:
-            q = one_hot_probs(drafts, p.shape[-1])
-        else:
-            q = pad_vocab(draft.probs, p.shape[-1])
-        accepted, next_token = accept_sampled(
-            p[None], q[None], drafts[None], key=active.seq.rng.next_key()
-        )
-        return int(accepted.item()), int(next_token.item())
 
     def _finish_step(self, output: StepOutput) -> list[StepOutput]:
         seq = self.active.seq

@@ -16,6 +16,8 @@ from server.logging_setup import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # `tandem bench` is dispatched by `tandem.cli` before this parser runs (so the server
+    # never imports a bench); it is listed here for `--help`.
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(commands.add_parser("serve", help="run the HTTP server"))
@@ -30,13 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    keep_float32_exact()  # before anything computes: benches check equality too
-    if argv[:1] == ["bench"]:  # bench parses its own arguments, --help included
-        from bench.cli import main as bench_main
-
-        bench_main(argv[1:])
-        return
+    keep_float32_exact()  # before anything computes
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        raise SystemExit("tandem bench: run it through the `tandem` command (tandem.cli)")
     if args.command == "convert":
         convert(args)
         return
@@ -60,7 +59,3 @@ def convert(args: argparse.Namespace) -> None:
     except (GGUFImportError, OSError) as exc:
         raise SystemExit(f"tandem convert: {exc}") from exc
     print(f"wrote {args.out_dir} ({dtype}); serve it with: tandem serve {args.out_dir}")
-
-
-if __name__ == "__main__":
-    main()

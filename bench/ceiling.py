@@ -40,7 +40,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from bench.models import resolve_model
-from bench.serve import load_prompts
+from bench.serve_dataset import load_prompts
 from engines.cache.ragged_cache import RaggedKVCache, feed_rows
 from engines.drafting.prompt_lookup import PromptLookupDrafter
 from engines.platform.blas import describe_blas

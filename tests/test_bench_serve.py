@@ -27,6 +27,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from bench import serve
+from bench.blas_probe import is_loopback
+from bench.serve_level import CANCELLED
 from bench.stats import (
     PERCENTILES,
     RequestRecord,
@@ -171,7 +173,7 @@ def test_speculative_figures_are_null_without_speculative_counters():
     ],
 )
 def test_loopback_hosts(url, loopback):
-    assert serve.is_loopback(url) is loopback
+    assert is_loopback(url) is loopback
 
 
 def test_non_loopback_url_is_refused_before_any_connection(monkeypatch, tmp_path):
@@ -449,4 +451,4 @@ def test_max_duration_stops_a_slow_server_by_itself(tmp_path):
     assert elapsed < 4
     assert result["stopped_early"] == "max-duration reached"
     assert [level["concurrency"] for level in result["levels"]] == [2]
-    assert result["levels"][0]["errors"] == {serve.CANCELLED: 2}
+    assert result["levels"][0]["errors"] == {CANCELLED: 2}

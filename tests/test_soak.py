@@ -10,6 +10,10 @@ from dataclasses import replace
 import pytest
 
 from bench import soak
+from bench.soak_memory import MIB, MemorySample, memory_summary
+from bench.soak_report import EXPECTED_ERRORS, format_summary, verdict
+from bench.soak_settings import Settings, parse_args, settings_from_args
+from bench.soak_workload import Tally
 from tests.test_process import BLAS_PRELOAD, ServerProcess, env_without, running_server
 
 REPORT_KEYS = {
@@ -41,7 +45,7 @@ def run_soak(server: ServerProcess, seconds: float) -> dict:
         "--long-tokens", "128",
         "--sample-interval", "0.5",
     ]  # fmt: skip
-    return asyncio.run(soak.run_soak(soak.settings_from_args(soak.parse_args(argv))))
+    return asyncio.run(soak.run_soak(settings_from_args(parse_args(argv))))
 
 
 def assert_soak_is_clean(report: dict) -> None:
@@ -49,7 +53,7 @@ def assert_soak_is_clean(report: dict) -> None:
     requests = report["requests"]
     # Queue-full refusals would be acceptable (and are recorded); nothing else is.
     assert report["verdict"]["unexpected_errors"] == {}, requests["errors"]
-    assert set(requests["errors"]) <= soak.EXPECTED_ERRORS
+    assert set(requests["errors"]) <= EXPECTED_ERRORS
     assert requests["ok"] > 0
     assert requests["disconnects"] > 0, "the soak should have hung up on some streams"
     assert requests["started"] == requests["ok"] + requests["failed"] + requests["disconnects"]
@@ -89,7 +93,7 @@ def test_minute_soak_memory_is_flat_after_warm_up(server):
 
 
 def test_summary_fits_one_screen_and_states_the_rule(short_report):
-    text = soak.format_summary(short_report)
+    text = format_summary(short_report)
     assert len(text.splitlines()) <= 24
     assert "flat if last <= warm * 1.10 + 50 MB" in text
     assert "disconnects made" in text
@@ -97,51 +101,49 @@ def test_summary_fits_one_screen_and_states_the_rule(short_report):
 
 def test_refuses_a_remote_server_before_any_request():
     with pytest.raises(SystemExit, match="non-loopback"):
-        soak.settings_from_args(soak.parse_args(["--base-url", "http://example.com:8000"]))
+        settings_from_args(parse_args(["--base-url", "http://example.com:8000"]))
 
 
 # --- the verdict on hand-made numbers -----------------------------------------------------
 
 
-def settings(**overrides) -> soak.Settings:
+def settings(**overrides) -> Settings:
     argv = ["--duration", "100", "--warmup", "20"]
-    return replace(soak.settings_from_args(soak.parse_args(argv)), **overrides)
+    return replace(settings_from_args(parse_args(argv)), **overrides)
 
 
-def rss_series(*megabytes: float) -> list[soak.MemorySample]:
+def rss_series(*megabytes: float) -> list[MemorySample]:
     """One sample every 10 s."""
     return [
-        soak.MemorySample(10.0 * i, int(mb * soak.MIB), None, None, None, 0, 0)
+        MemorySample(10.0 * i, int(mb * MIB), None, None, None, 0, 0)
         for i, mb in enumerate(megabytes)
     ]
 
 
 def test_memory_is_flat_within_ten_percent_plus_50_mb_of_the_warm_up_rss():
-    flat = soak.memory_summary(rss_series(100, 400, 1000, 1000, 1140, 1149), settings(), {})
+    flat = memory_summary(rss_series(100, 400, 1000, 1000, 1140, 1149), settings(), {})
     assert (flat["first"], flat["warm"], flat["last"]) == (
-        100 * soak.MIB,
-        1000 * soak.MIB,
-        1149 * soak.MIB,
+        100 * MIB,
+        1000 * MIB,
+        1149 * MIB,
     )
     assert flat["flat"]
-    growing = soak.memory_summary(rss_series(100, 400, 1000, 1100, 1200), settings(), {})
+    growing = memory_summary(rss_series(100, 400, 1000, 1100, 1200), settings(), {})
     assert not growing["flat"]
-    assert growing["max"] == 1200 * soak.MIB
+    assert growing["max"] == 1200 * MIB
 
 
 def test_samples_after_the_duration_are_not_the_last_under_load():
-    summary = soak.memory_summary(rss_series(*[100] * 11, 5000), settings(), {})
-    assert summary["last"] == 100 * soak.MIB and summary["flat"]
+    summary = memory_summary(rss_series(*[100] * 11, 5000), settings(), {})
+    assert summary["last"] == 100 * MIB and summary["flat"]
 
 
 def test_leaks_and_unexpected_errors_fail_the_verdict_but_queue_full_does_not():
     memory = {"flat": True, "rule": "r"}
     clean = {"leak_free": True, "running": 0, "waiting": 0}
-    overloaded = soak.Tally(errors={"HTTP 503 server_overloaded": 3})
-    assert soak.verdict(overloaded, clean, memory)["passed"]
+    overloaded = Tally(errors={"HTTP 503 server_overloaded": 3})
+    assert verdict(overloaded, clean, memory)["passed"]
     leaked = {"leak_free": False, "running": 1, "waiting": 0}
-    assert soak.verdict(soak.Tally(), leaked, memory)["reasons"] == [
-        "after drain running=1 waiting=0"
-    ]
-    broken = soak.Tally(errors={"HTTP 500 server_error": 1})
-    assert soak.verdict(broken, clean, memory)["unexpected_errors"] == {"HTTP 500 server_error": 1}
+    assert verdict(Tally(), leaked, memory)["reasons"] == ["after drain running=1 waiting=0"]
+    broken = Tally(errors={"HTTP 500 server_error": 1})
+    assert verdict(broken, clean, memory)["unexpected_errors"] == {"HTTP 500 server_error": 1}

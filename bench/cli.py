@@ -9,6 +9,7 @@ tandem bench distributed MODEL  one model over mlx.launch ranks vs one process, 
 tandem bench rollback MODEL     verify and rollback cost vs a plain step (recurrent, windowed)
 tandem bench invariance [MODEL] verify vs plain logits on this device, per dtype (exactness)
 tandem bench device [--dry-run] the prepared GPU check vs mlx_lm.server (bench/device_check.sh)
+tandem bench agent [--short]    recorded agent sessions vs mlx_lm.server at 1, 2, 4 sessions
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ import sys
 
 # commands that run MLX in this process: like `tandem serve`, they re-exec with a fast
 # BLAS preloaded on Linux CPU (TANDEM_NO_BLAS_PRELOAD=1 keeps the BLAS as it is)
-IN_PROCESS = {"spec", "single", "grammar", "ceiling", "draft-ceiling", "rollback", "invariance"}
+IN_PROCESS = {
+    "spec",
+    "single",
+    "grammar",
+    "ceiling",
+    "draft-ceiling",
+    "rollback",
+    "invariance",
+    "agent",
+}
 
 
 def main(argv: list[str]) -> None:
@@ -36,6 +46,7 @@ def main(argv: list[str]) -> None:
         "rollback": "bench.rollback_cost",
         "invariance": "bench.batch_invariance",
         "device": "bench.device",
+        "agent": "bench.agent",
     }
     if not argv or argv[0] not in commands:
         print(__doc__)

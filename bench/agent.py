@@ -348,9 +348,9 @@ def references(
     dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
     info = {"dtype": dtypes, "device": str(mx.default_device()), "blas": describe_blas()}
     answers = {}
-    firsts = {}
+    firsts = {}  # each session's first copy at each level
     for turns in copies:
-        firsts.setdefault(turns[0].level, turns)
+        firsts.setdefault((turns[0].level, turns[0].copy.split("#")[0]), turns)
     for turns in firsts.values():
         for turn in turns[: settings.reference_turns]:
             out = plain_greedy(model, tokenizer, turn.ids, settings.max_tokens)

@@ -84,9 +84,13 @@ def side_level(side, level: int, copies: list) -> dict[str, Any]:
     walls = [w for (lv, _), w in side.session_wall.items() if lv == level]
     keys = [(t.level, t.copy, t.turn) for c in copies if c[0].level == level for t in c]
     results = [side.turns[k] for k in keys if k in side.turns]
+    failed = sum(1 for k in keys if k not in side.turns or side.turns[k].error)
     ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
     rates = [r.decode_tok_s for r in results if r.decode_tok_s is not None]
+    if failed:  # a session with a failed turn did less work: its time says nothing
+        walls = []
     return {
+        "failed_turns": failed,
         "mean_session_wall_s": statistics.mean(walls) if walls else None,
         "max_session_wall_s": max(walls) if walls else None,
         "level_wall_s": side.level_wall.get(level),
@@ -109,7 +113,9 @@ def level_summary(copies: list, tandem, peer) -> list[dict[str, Any]]:
             row["session_speedup"] = ratio(
                 theirs["mean_session_wall_s"], ours["mean_session_wall_s"]
             )
-            row["meets_target"] = (row["session_speedup"] or 0) >= TARGET
+            row["meets_target"] = (
+                None if row["session_speedup"] is None else row["session_speedup"] >= TARGET
+            )
         out.append(row)
     return out
 
@@ -182,8 +188,11 @@ def report_text(result: dict[str, Any]) -> str:
                 f"({num(s['max_session_wall_s'])}) | {num(s['level_wall_s'])} | "
                 f"{num(s['mean_ttft_s'])} | {num(s['mean_decode_tok_s'], '.1f')} | "
                 f"{s['cached_tokens']}/{s['prompt_tokens']}"
+                + (f" | {s['failed_turns']} FAILED turns" if s["failed_turns"] else "")
             )
-        if "session_speedup" in level:
+        if level.get("session_speedup") is None and "peer" in level:
+            lines.append(f"c={level['concurrency']} no ratio: failed turns")
+        elif "session_speedup" in level:
             lines.append(
                 f"c={level['concurrency']} sessions {num(level['session_speedup'])}x faster on "
                 f"tandem than mlx_lm.server (target {TARGET}x: "

@@ -7,8 +7,9 @@
 
 Each session (bench/data/agent/, bench/agent_sessions.py) is a real client's requests,
 turn by turn. At concurrency c, c copies of each session run at once, each copy with
-its own tag in its first user message; a copy sends its turns one after another, each
-as soon as the previous answer ended (no tool time). The answers are generated live,
+its own tag in its first user message (one recorded session's copies at a time, so c
+sessions are in flight); a copy sends its turns one after another, each as soon as the
+previous answer ended (no tool time). The answers are generated live,
 greedy, capped at --max-tokens; later turns carry the recorded history.
 
 What each side is sent:
@@ -287,11 +288,17 @@ async def run_levels(base: str, side: SideRun, copies: list[list[Planned]], budg
     limits = httpx.Limits(max_connections=64)
     async with httpx.AsyncClient(limits=limits, timeout=None) as client:
         for level in sorted({c[0].level for c in copies}):
-            ours = [c for c in copies if c[0].level == level]
-            started = time.perf_counter()
-            await asyncio.gather(*(run_copy(client, base, side, c, budget) for c in ours))
-            side.level_wall[level] = time.perf_counter() - started
+            side.level_wall[level] = 0.0
+            for name in dict.fromkeys(base_name(c[0].copy) for c in copies):
+                group = [c for c in copies if c[0].level == level and base_name(c[0].copy) == name]
+                started = time.perf_counter()
+                await asyncio.gather(*(run_copy(client, base, side, c, budget) for c in group))
+                side.level_wall[level] += time.perf_counter() - started
             print(f"  {side.name} c={level}: {side.level_wall[level]:.1f}s", file=sys.stderr)
+
+
+def base_name(copy: str) -> str:
+    return copy.split("#")[0]
 
 
 def warm(base: str, surface_path: str) -> None:
@@ -350,7 +357,7 @@ def references(
     answers = {}
     firsts = {}  # each session's first copy at each level
     for turns in copies:
-        firsts.setdefault((turns[0].level, turns[0].copy.split("#")[0]), turns)
+        firsts.setdefault((turns[0].level, base_name(turns[0].copy)), turns)
     for turns in firsts.values():
         for turn in turns[: settings.reference_turns]:
             out = plain_greedy(model, tokenizer, turn.ids, settings.max_tokens)

@@ -176,7 +176,7 @@ def report_text(result: dict[str, Any]) -> str:
                 f"{row['level']:>2} {row['session']:<22} {row['turn']:>2} {side:<7} "
                 f"{turn_cells(row[side])}  {same}"
             )
-    lines += ["", "per level: mean session wall s (max) | level wall s | mean ttft s | "
+    lines += ["", "per level: mean session wall s (max) | wall s, all groups | mean ttft s | "
               "mean decode tok/s | cached/prompt tokens"]  # fmt: skip
     for level in result["levels"]:
         for side in ("tandem", "peer"):

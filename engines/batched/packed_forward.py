@@ -1,0 +1,117 @@
+"""One target forward over two batches at once: the decoding rows and a prefill chunk.
+
+Where a forward costs mostly a pass over the weights (every decode step, on any
+machine), a prompt chunk and the running rows' next tokens can share that pass: the
+rows' projections and MLP run as one matrix product over all their tokens, with no
+padding between the batches, while attention runs per batch with its own cache, RoPE
+offsets and mask (vLLM's chunked prefill mixes decode and prefill tokens the same way).
+So a prompt prefills in chunks small enough that a decoding row's next token never
+waits long, and the rows' tokens cost little beside the chunk.
+
+Supported: decoder blocks of the llama and qwen2 shape (pre-norm attention and MLP,
+RoPE at the cache's offset), full attention only, one process; `supports_packing`
+says so. Anything else prefills in chunks alternating with decode steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import llama, qwen2
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+
+from engines.cache.ragged_cache import RaggedKVCache
+
+_BLOCKS = (llama.TransformerBlock, qwen2.TransformerBlock)
+
+
+def supports_packing(model: Any) -> bool:
+    """Whether `packed_logits` computes exactly what `model(inputs, cache)` would."""
+    model = getattr(model, "_model", model)  # a GuardedModel's model
+    inner = getattr(model, "model", None)
+    if type(model) not in (llama.Model, qwen2.Model) or inner is None:
+        return False
+    if getattr(inner, "pipeline_size", 1) != 1:
+        return False
+    layers = getattr(inner, "layers", [])
+    return bool(layers) and all(
+        type(layer) in _BLOCKS and not getattr(layer, "use_sliding", False) for layer in layers
+    )
+
+
+def packed_logits(model: Any, parts: list[tuple[mx.array, list]]) -> list[mx.array]:
+    """`[model(inputs, cache=cache) for inputs, cache in parts]`, in one pass over the
+    weights. Each part is a batch (B, L) of token ids with its own per-layer caches."""
+    if hasattr(model, "guard"):  # the engine's ownership check, once per forward
+        model.guard(mx.zeros((sum(inputs.size for inputs, _ in parts),)))
+        model = model._model
+    inner = model.model
+    hidden = [inner.embed_tokens(inputs) for inputs, _ in parts]
+    masks = [create_attention_mask(h, c[0]) for h, (_, c) in zip(hidden, parts, strict=True)]
+    shapes = [h.shape for h in hidden]
+    flat = mx.concatenate([h.reshape(-1, h.shape[-1]) for h in hidden])
+    for index, layer in enumerate(inner.layers):
+        caches = [cache[index] for _, cache in parts]
+        flat = _block(layer, flat, shapes, masks, caches)
+    flat = inner.norm(flat)
+    if model.args.tie_word_embeddings:
+        flat = inner.embed_tokens.as_linear(flat)
+    else:
+        flat = model.lm_head(flat)
+    logits, start = [], 0
+    for batch, length, _ in shapes:
+        logits.append(flat[start : start + batch * length].reshape(batch, length, -1))
+        start += batch * length
+    return logits
+
+
+def _block(layer: Any, flat: mx.array, shapes: list, masks: list, caches: list) -> mx.array:
+    """One transformer block over every part's tokens (`TransformerBlock.__call__`)."""
+    attention = layer.self_attn
+    normed = layer.input_layernorm(flat)
+    queries, keys, values = (
+        attention.q_proj(normed),
+        attention.k_proj(normed),
+        attention.v_proj(normed),
+    )
+    outputs, start = [], 0
+    for (batch, length, _), mask, cache in zip(shapes, masks, caches, strict=True):
+        end = start + batch * length
+        q, k, v = (
+            _heads(x[start:end], batch, length, count)
+            for x, count in (
+                (queries, attention.n_heads),
+                (keys, attention.n_kv_heads),
+                (values, attention.n_kv_heads),
+            )
+        )
+        q = attention.rope(q, offset=cache.offset)
+        k = attention.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attention.scale, mask=mask)
+        outputs.append(out.transpose(0, 2, 1, 3).reshape(batch * length, -1))
+        start = end
+    hidden = flat + attention.o_proj(mx.concatenate(outputs))
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+def _heads(x: mx.array, batch: int, length: int, count: int) -> mx.array:
+    """(batch * length, count * dim) -> (batch, count, length, dim), as the block shapes it."""
+    return x.reshape(batch, length, count, -1).transpose(0, 2, 1, 3)
+
+
+def feed_together(model: Any, jobs: list[tuple[list[RaggedKVCache], list[list[int]]]]) -> list:
+    """`[feed_rows(model, cache, rows) for cache, rows in jobs]` in one packed forward:
+    each job's rows fed their own tokens (padded at the end), each row's cache advanced
+    by its own count. Returns each job's logits (B, T, V), lazily."""
+    parts, lengths = [], []
+    for cache, rows in jobs:
+        width = max(1, max(len(r) for r in rows))
+        parts.append((mx.array([r + [0] * (width - len(r)) for r in rows]), cache))
+        lengths.append([held + len(r) for held, r in zip(cache[0].held, rows, strict=True)])
+    logits = packed_logits(model, parts)
+    for (cache, _), new in zip(jobs, lengths, strict=True):
+        for layer in cache:
+            layer.set_lengths(new)
+    return logits

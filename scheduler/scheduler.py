@@ -45,6 +45,7 @@ from scheduler.preemption import Preemption
 from scheduler.prefix_cache import ASSISTANT, SYSTEM, USER, PrefixCache
 from scheduler.scoring import ScoringQueue, scoring_budget
 from scheduler.stream import RequestStream, TokenEvent
+from scheduler.suffix_store import SuffixStore
 from scheduler.throughput import ThroughputModel, serial_wait_fits
 from scheduler.tracking import Command, TrackedRequest, final_event, key_of, token_event
 
@@ -96,6 +97,7 @@ class Scheduler(Pausing, Preemption):
             else None
         )
         self.counters = SchedulerCounters()
+        self.suffix = SuffixStore(config.suffix_tokens_per_key, config.suffix_max_keys)
         self.throughput = config.throughput_model or ThroughputModel()
         self._last_step: tuple[tuple[Mode, int], float] | None = None  # shape, end time
         self.memory: dict[str, int] = {}
@@ -362,11 +364,13 @@ class Scheduler(Pausing, Preemption):
 
     @property
     def drafters(self) -> list[str]:
-        """The drafters requests may use: "pld", and "draft" or "mtp" (the model drafter)."""
+        """The drafters requests may use: "pld", "suffix", and "draft" or "mtp" (the model
+        drafter)."""
         spec = self._spec
         if spec is None:
             return []
         methods = ["pld"] if spec.config.enable_pld else []
+        methods += ["suffix"] if self.suffix.enabled else []  # the key's earlier requests
         return methods + ([spec.drafter.method] if spec.drafter is not None else [])
 
     @property
@@ -522,6 +526,7 @@ class Scheduler(Pausing, Preemption):
                 grammar = self.model_info.grammar
                 extra.append(grammar.processor(tracked.request.constraint, len(prompt)))
             tracked.seq = make_sequence(tracked.request, self.registry.tokenizer, extra)
+            tracked.seq.suffix = self.suffix.reader(tracked.request.cache_scope)  # its key's only
             marker = self.config.fault_marker  # a test hook (`engines.faults`)
             arm(tracked.seq, marker, self.registry.tokenizer.decode(prompt) if marker else "")
             if tracked.request.prompt_logprobs is not None:
@@ -749,6 +754,7 @@ class Scheduler(Pausing, Preemption):
         error_kind: str | None = None,
     ) -> None:
         self._release_kv(tracked)
+        self.suffix.learn(tracked.seq)  # into its key's suffix index
         event, record = final_event(tracked, reason, output, error, error_kind)
         log_request(record)
         self.observer.on_finished(record)

@@ -62,6 +62,22 @@ def add_speculation_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-pld", action="store_true", help="disable prompt-lookup decoding")
     parser.add_argument(
+        "--suffix-tokens-per-key",
+        type=int,
+        default=1 << 16,
+        metavar="N",
+        help="suffix decoding: each API key's recent requests, at most N tokens a key, draft "
+        "for its new requests, never another key's (0 disables)",
+    )
+    parser.add_argument(
+        "--suffix-max-keys",
+        type=int,
+        default=64,
+        metavar="K",
+        help="suffix decoding keeps the indexes of at most K API keys (least recently used "
+        "retired first)",
+    )
+    parser.add_argument(
         "--no-mtp",
         action="store_true",
         help="do not draft with the model's own multi-token-prediction head (Qwen3.5/3.6, "

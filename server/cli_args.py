@@ -38,7 +38,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_speculation_flags(parser: argparse.ArgumentParser) -> None:
-    """How tokens are drafted: a draft model, prompt lookup, the model's own MTP head."""
+    """How tokens are drafted: a draft model, prompt lookup, the model's own MTP head,
+    the API key's earlier requests (suffix decoding)."""
     parser.add_argument(
         "--draft-model",
         help="draft model (path, .gguf, hub id or packaged name) for speculation",
@@ -62,6 +63,17 @@ def add_speculation_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-pld", action="store_true", help="disable prompt-lookup decoding")
     parser.add_argument(
+        "--no-mtp",
+        action="store_true",
+        help="do not draft with the model's own multi-token-prediction head (Qwen3.5/3.6, "
+        "Qwen3-Next); without --draft-model it drafts whenever the checkpoint has one",
+    )
+    parser.add_argument(
+        "--mtp-weights",
+        help="safetensors file or folder holding the mtp.* weights (the original Hugging Face "
+        "checkpoint), for a converted model that lost them",
+    )
+    parser.add_argument(
         "--suffix-tokens-per-key",
         type=int,
         default=1 << 16,
@@ -76,17 +88,6 @@ def add_speculation_flags(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="suffix decoding keeps the indexes of at most K API keys (least recently used "
         "retired first)",
-    )
-    parser.add_argument(
-        "--no-mtp",
-        action="store_true",
-        help="do not draft with the model's own multi-token-prediction head (Qwen3.5/3.6, "
-        "Qwen3-Next); without --draft-model it drafts whenever the checkpoint has one",
-    )
-    parser.add_argument(
-        "--mtp-weights",
-        help="safetensors file or folder holding the mtp.* weights (the original Hugging Face "
-        "checkpoint), for a converted model that lost them",
     )
 
 

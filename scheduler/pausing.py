@@ -1,5 +1,5 @@
 """Taking running requests out of the engine and back, KV cache kept (a mixin of
-`Scheduler`, on the engine thread).
+`Scheduler`, run on the engine thread).
 
 Backpressure: a stream whose client stopped reading is paused (its sequence leaves the
 engine with its KV cache, freeing the slot), resumes ahead of the queue once read,
@@ -17,37 +17,39 @@ from scheduler.policy import Mode
 from scheduler.tracking import TrackedRequest
 
 if TYPE_CHECKING:
-    from scheduler.admission import Backpressure, FairQueue
+    from scheduler.admission import Backpressure
+    from scheduler.engine_pair import EnginePair
+    from scheduler.requests import RequestTable
 
 
 class Pausing:
-    """Backpressure's pauses and resumes; the state it uses is the scheduler's."""
+    """Backpressure's pauses and resumes. It keeps no state of its own: it moves
+    requests between the scheduler's table's places (`RequestTable`), which the engine
+    thread owns, and the policy (`Backpressure`) is immutable."""
 
     _backpressure: Backpressure
-    _running: dict[str, TrackedRequest]
-    _paused: dict[str, TrackedRequest]
-    _waiting: FairQueue[TrackedRequest]
+    requests: RequestTable
+    engines: EnginePair
 
     def _apply_backpressure(self) -> None:
         """Pause running streams whose clients stopped reading (the sequence leaves the
         engine with its KV cache, freeing the slot), resume them once read, and cancel
         those paused past `unread_timeout`. Only models whose caches roll back pause."""
         policy = self._backpressure
-        if not policy.enabled or not self.rows_roll_back or self._spec is None:
+        if not policy.enabled or not self.rows_roll_back or self.engines.spec is None:
             return
         now = time.monotonic()
         engine = self._engine()
+        running = self.requests.running
         in_engine = set(engine.active_ids) if engine is not None else set()
-        unread = [(rid, t.unread) for rid, t in self._running.items() if rid in in_engine]
+        unread = [(rid, t.unread) for rid, t in running.items() if rid in in_engine]
         for request_id in policy.to_pause(unread):
-            self._pause(self._running.get(request_id), engine, now)
-        for request_id, tracked in list(self._paused.items()):
+            self._pause(running.get(request_id), engine, now)
+        for request_id, tracked in list(self.requests.paused.items()):
             if policy.can_resume(tracked.unread):
-                del self._paused[request_id]
-                self._waiting.appendleft(tracked)
+                self.requests.requeue(tracked)
             elif policy.expired(tracked.paused_at, now):
-                del self._paused[request_id]
-                tracked.parked = None
+                self._remove(request_id)
                 self._finish(
                     tracked,
                     FinishReason.CANCELLED,
@@ -59,14 +61,14 @@ class Pausing:
         if tracked is None:
             return  # finished: an earlier pause's settle committed its last token
         request_id = tracked.request.request_id
-        if self._mode == Mode.SPECULATIVE:
+        if self.engines.mode == Mode.SPECULATIVE:
             state, outputs = engine.export()
         else:  # a plain step in flight is committed first (`settle`)
             outputs = engine.settle()
             state = engine.extract(request_id) if request_id in engine.active_ids else None
         for output in outputs:
             self._publish(output)
-        if self._running.pop(request_id, None) is None:
+        if request_id not in self.requests.running:
             return  # its last token, committed on the way out, finished it
-        tracked.parked, tracked.paused_at = state, now
-        self._paused[request_id] = tracked
+        tracked.parked = state
+        self.requests.pause(tracked, now)

@@ -1,5 +1,5 @@
-"""Keeping running requests within the KV budget (a mixin of `Scheduler`, on the engine
-thread; the budget itself is `scheduler.kv_budget`).
+"""Keeping running requests within the KV budget (a mixin of `Scheduler`, run on the
+engine thread; the budget itself is `scheduler.kv_budget`).
 
 Admission waits while the next request's reach does not fit beside the others'
 (`_kv_admits`); every iteration the caches the engines and paused requests actually
@@ -23,16 +23,18 @@ from scheduler.policy import Mode
 from scheduler.tracking import Command, TrackedRequest
 
 if TYPE_CHECKING:
-    from scheduler.admission import FairQueue
+    from scheduler.engine_pair import EnginePair
+    from scheduler.requests import RequestTable
 
 
 class Preemption:
-    """The scheduler's side of the KV budget; the state it uses is the scheduler's."""
+    """The scheduler's side of the KV budget. Its state is `kv` (`KVBudget`): its
+    reservations and measurements belong to the engine thread; `limit` may be set from
+    another thread (`set_kv_limit`), which then tells the engine thread to act on it."""
 
     kv: KVBudget | None
-    _running: dict[str, TrackedRequest]
-    _paused: dict[str, TrackedRequest]
-    _waiting: FairQueue[TrackedRequest]
+    requests: RequestTable
+    engines: EnginePair
 
     @property
     def kv_stats(self) -> dict[str, int] | None:
@@ -73,7 +75,7 @@ class Preemption:
 
     def _held_kv_bytes(self) -> int:
         layers = list(_engine_layers(self._engine()))
-        for tracked in self._paused.values():
+        for tracked in self.requests.paused.values():
             if tracked.parked is not None:
                 layers += _state_layers(tracked.parked)
         return cache_bytes(layers)
@@ -82,12 +84,13 @@ class Preemption:
         """Preempt the newest running request of the batch; False when none can go
         (one request left, or a batch whose rows cannot leave it)."""
         engine = self._engine()
-        if self._mode != Mode.BATCHED or not self.rows_roll_back or len(self._running) < 2:
+        running = self.requests.running
+        if self.engines.mode != Mode.BATCHED or not self.rows_roll_back or len(running) < 2:
             return False
         for output in engine.settle():  # a plain step in flight commits first
             self._publish(output)
         active = set(engine.active_ids)
-        candidates = [t for rid, t in self._running.items() if rid in active]
+        candidates = [t for rid, t in running.items() if rid in active]
         if len(candidates) < 2:
             return False
         tracked = max(candidates, key=lambda t: t.arrived)
@@ -95,10 +98,9 @@ class Preemption:
         state = engine.extract(request_id)
         fresh = make_prompt_cache(self.registry.target.model)  # resumes by a prefill
         tracked.parked = SequenceState(state.seq, fresh, 0, state.gates, state.pld)
-        del self._running[request_id]
+        self.requests.requeue(tracked)
         self.kv.release(request_id)
         self.kv.preemptions += 1
-        self._waiting.appendleft(tracked)
         return True
 
 

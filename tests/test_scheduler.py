@@ -97,7 +97,7 @@ async def test_every_stream_ends_when_cancel_raises_while_aborting(tiny_model_di
     scheduler = start_scheduler(tiny_model_dir, batch_threshold=10)
     try:
         running, waiting = await one_running_one_waiting(scheduler, reference)
-        scheduler._spec.cancel = broken("cancel in a broken engine")
+        scheduler.speculative_engine.cancel = broken("cancel in a broken engine")
         if how == "engine failure":
             scheduler._step = broken("the engine loop broke")
         else:

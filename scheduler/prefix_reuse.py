@@ -1,0 +1,48 @@
+"""Prefix reuse: where a request's sequence starts, and which caches are kept.
+
+A new request starts from the longest cached prefix of its prompt (or an empty
+cache). Finished requests' caches, and prompt checkpoints of caches that cannot be
+cut back (a system prompt's end kept longest), become prefix-cache entries keyed by
+exactly the tokens they hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from engines.sequence import Sequence
+from engines.state import SequenceState
+from scheduler.prefix_cache import ASSISTANT, SYSTEM, USER, PrefixCache
+
+
+class PrefixReuse:
+    """The scheduler's side of the prefix cache (None: no reuse). Owned by the engine
+    thread, like the cache itself; other threads only read its size for stats."""
+
+    def __init__(self, cache: PrefixCache | None) -> None:
+        self.cache = cache
+
+    def start(self, seq: Sequence, model) -> SequenceState:
+        """The sequence with the cache of its prompt's longest cached prefix."""
+        prompt, scope = list(seq.request.prompt_tokens), seq.request.cache_scope
+        hit = self.cache.lookup(prompt, scope) if self.cache is not None else None
+        if hit is None:
+            return SequenceState(seq, make_prompt_cache(model), 0)
+        return SequenceState(seq, hit.cache, hit.cached, draft=hit.draft)
+
+    def keep(self, released: Iterable[SequenceState], checkpoints: Iterable[SequenceState]) -> None:
+        """Store finished requests' caches (`released`) and prompt checkpoints; a cache
+        claiming more than its committed tokens is dropped (a shorter key over a longer
+        KV would corrupt every later hit)."""
+        if self.cache is None:
+            return
+        kept = [(state, ASSISTANT) for state in released]
+        for state in checkpoints:  # a system prompt's end, or a prompt's
+            kept.append((state, SYSTEM if state.cached in state.seq.request.checkpoints else USER))
+        for state, kind in kept:
+            tokens = state.seq.all_tokens
+            if state.cached <= len(tokens):
+                scope = state.seq.request.cache_scope
+                self.cache.store(tokens[: state.cached], state.cache, scope, state.draft, kind)

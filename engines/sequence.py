@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.drafting.draft import Drafter
 from engines.request import GenerationRequest
 from engines.sample.sampling import RandomStream, make_token_processors
 from engines.sample.stopping import StopMatcher
@@ -51,6 +52,9 @@ class Sequence:
     inject_fault: bool = False  # test hook (--inject-fault-on): commit raises mid-generation
     fault_at: str | None = None  # test hook: the batched engine's point to fail at (faults.py)
     processors: list = field(default_factory=list)  # logits processors: (tokens, logits) -> logits
+    # its API key's recent requests, read-only (engines.drafting.suffix.SuffixReader; the
+    # scheduler sets it at admission, only ever to the request's own key's): None = none
+    suffix: Drafter | None = None
 
     def __post_init__(self) -> None:
         self.stop = StopMatcher(self.request.stop)

@@ -105,6 +105,7 @@ class Admitting:
                 grammar = self.model_info.grammar
                 extra.append(grammar.processor(tracked.request.constraint, len(prompt)))
             tracked.seq = make_sequence(tracked.request, self.registry.tokenizer, extra)
+            tracked.seq.suffix = self.suffix.reader(tracked.request.cache_scope)  # its key's only
             marker = self.config.fault_marker  # a test hook (`engines.faults`)
             arm(tracked.seq, marker, self.registry.tokenizer.decode(prompt) if marker else "")
             if tracked.request.prompt_logprobs is not None:

@@ -44,6 +44,11 @@ class SchedulerConfig:
     batch_prefill_step_size: int = 512  # prefill chunk while batched (bounds others' gaps)
     prefix_cache_entries: int = 16  # finished requests' KV caches kept for reuse (0: off)
     prefix_cache_bytes: int = 2 << 30
+    # Suffix decoding (scheduler/suffix_store.py): each API key's recent requests, at
+    # most this many tokens per key and this many keys, draft for its new requests
+    # (0: off).
+    suffix_tokens_per_key: int = 1 << 16
+    suffix_max_keys: int = 64
     # KV memory of running requests and the prefix cache together (--max-kv-gb);
     # None: a share of the machine's memory (scheduler/kv_budget.py)
     max_kv_bytes: int | None = None

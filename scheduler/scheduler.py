@@ -45,6 +45,7 @@ from scheduler.requests import Place, RequestTable
 from scheduler.scoring import ScoringQueue
 from scheduler.stepping import Stepping
 from scheduler.stream import RequestStream
+from scheduler.suffix_store import SuffixStore
 from scheduler.throughput import ThroughputModel
 from scheduler.tracking import Command, TrackedRequest
 
@@ -62,7 +63,7 @@ class SchedulerState(str, enum.Enum):
 
 class Scheduler(Admitting, Stepping, Pausing, Preemption):
     """Thread ownership: `requests`, `engines`, `_reuse`, `_scoring`, `_policy`,
-    `_last_step`, `counters`, `throughput` and `kv`'s reservations belong to
+    `_last_step`, `counters`, `throughput`, `suffix` and `kv`'s reservations belong to
     the engine thread; `state`, `error` and `model_info` are written by the engine
     thread (or, as a last resort, the rank watch: `_rank_lost`) and read anywhere;
     `draining` is set on the event loop; `memory` and `measured_rates` are the engine
@@ -91,6 +92,7 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
         )
         self._reuse = PrefixReuse(self._prefix)
         self.counters = SchedulerCounters()
+        self.suffix = SuffixStore(config.suffix_tokens_per_key, config.suffix_max_keys)
         self.throughput = config.throughput_model or ThroughputModel()
         self._last_step: tuple[tuple[Mode, int], float] | None = None  # shape, end time
         self.memory: dict[str, int] = {}
@@ -337,11 +339,13 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
 
     @property
     def drafters(self) -> list[str]:
-        """The drafters requests may use: "pld", and "draft" or "mtp" (the model drafter)."""
+        """The drafters requests may use: "pld", "suffix", and "draft" or "mtp" (the model
+        drafter)."""
         spec = self.engines.spec
         if spec is None:
             return []
         methods = ["pld"] if spec.config.enable_pld else []
+        methods += ["suffix"] if self.suffix.enabled else []  # the key's earlier requests
         return methods + ([spec.drafter.method] if spec.drafter is not None else [])
 
     @property

@@ -126,6 +126,7 @@ class Stepping:
         error_kind: str | None = None,
     ) -> None:
         self._release_kv(tracked)
+        self.suffix.learn(tracked.seq)  # into its key's suffix index
         event, record = final_event(tracked, reason, output, error, error_kind)
         log_request(record)
         self.observer.on_finished(record)

@@ -38,7 +38,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_speculation_flags(parser: argparse.ArgumentParser) -> None:
-    """How tokens are drafted: a draft model, prompt lookup, the model's own MTP head."""
+    """How tokens are drafted: a draft model, prompt lookup, the model's own MTP head,
+    the API key's earlier requests (suffix decoding)."""
     parser.add_argument(
         "--draft-model",
         help="draft model (path, .gguf, hub id or packaged name) for speculation",
@@ -71,6 +72,22 @@ def add_speculation_flags(parser: argparse.ArgumentParser) -> None:
         "--mtp-weights",
         help="safetensors file or folder holding the mtp.* weights (the original Hugging Face "
         "checkpoint), for a converted model that lost them",
+    )
+    parser.add_argument(
+        "--suffix-tokens-per-key",
+        type=int,
+        default=1 << 16,
+        metavar="N",
+        help="suffix decoding: each API key's recent requests, at most N tokens a key, draft "
+        "for its new requests, never another key's (0 disables)",
+    )
+    parser.add_argument(
+        "--suffix-max-keys",
+        type=int,
+        default=64,
+        metavar="K",
+        help="suffix decoding keeps the indexes of at most K API keys (least recently used "
+        "retired first)",
     )
 
 

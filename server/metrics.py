@@ -102,7 +102,8 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 DRAFT_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
-METHODS = ("draft", "mtp", "pld")
+METHODS = ("draft", "mtp", "pld", "suffix")
+SUFFIX_KINDS = ("keys", "sequences", "tokens")  # tandem_suffix_index, summed over keys
 GATES = ("prompt", "runtime")
 SKIPPED_TOOL_SURFACES = ("messages", "responses")
 MEMORY_KINDS = ("active", "cache", "peak")
@@ -361,6 +362,7 @@ class Metrics:
                 "by_method": by_method,
                 "gate_trips": dict(spec.gate_trips),
                 "costs": scheduler.speculation_costs,
+                "suffix_index": scheduler.suffix.stats(),
             },
             "mode_switches": {
                 f"{a}->{b}": n for (a, b), n in sorted(scheduler.counters.mode_switches.items())
@@ -420,8 +422,9 @@ class _LiveGauges(Collector):
         supported.add_metric([m], 1.0 if scheduler.speculation_supported else 0.0)
         drafters = GaugeMetricFamily(
             "tandem_drafter_active",
-            "1 for each drafter requests may use: pld (prompt lookup), draft (--draft-model), "
-            "mtp (the model's own multi-token-prediction head).",
+            "1 for each drafter requests may use: pld (prompt lookup), suffix (the API key's "
+            "recent requests), draft (--draft-model), mtp (the model's own "
+            "multi-token-prediction head).",
             labels=["model_name", "drafter"],
         )
         active = scheduler.drafters
@@ -434,6 +437,7 @@ class _LiveGauges(Collector):
         )
         ranks.add_metric([m], scheduler.ranks)
         yield from (running, waiting, mode, memory, blas, supported, drafters, ranks)
+        yield from _suffix_metrics(m, scheduler.suffix.stats())
         yield from _kv_metrics(m, scheduler.kv_stats)
         yield from self._cost_gauges(m, scheduler.speculation_costs)
 
@@ -456,6 +460,25 @@ class _LiveGauges(Collector):
         )
         draft.add_metric([m], costs["draft_step"])
         yield from (verify, draft)
+
+
+def _suffix_metrics(m: str, stats: dict[str, int]) -> Iterator:
+    """The suffix decoding indexes' size (bounded: --suffix-tokens-per-key a key, for
+    at most --suffix-max-keys keys) and what was evicted to stay within it."""
+    size = GaugeMetricFamily(
+        "tandem_suffix_index",
+        "Suffix decoding indexes, summed over API keys: keys, sequences and tokens held.",
+        labels=["model_name", "kind"],
+    )
+    for kind in SUFFIX_KINDS:
+        size.add_metric([m, kind], stats[kind])
+    evicted = CounterMetricFamily(
+        "tandem_suffix_evicted_sequences",
+        "Sequences evicted from suffix indexes to keep each key within its token bound.",
+        labels=["model_name"],
+    )
+    evicted.add_metric([m], stats["evicted_sequences"])
+    yield from (size, evicted)
 
 
 def _kv_metrics(m: str, kv: dict | None) -> Iterator:

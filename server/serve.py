@@ -117,6 +117,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
             num_draft_tokens=args.num_draft_tokens,
             draft_vocab=args.draft_vocab,
             enable_pld=not args.no_pld,
+            suffix_tokens_per_key=max(0, args.suffix_tokens_per_key),
+            suffix_max_keys=max(0, args.suffix_max_keys),
             mtp=not args.no_mtp,
             mtp_weights=args.mtp_weights,
             max_queue=args.max_queue,

@@ -63,6 +63,8 @@ EXPORTED_METRICS = frozenset(
         "tandem_client_disconnects_total",
         "tandem_server_tools_not_offered_total",
         "tandem_kv_preemptions_total",
+        "tandem_suffix_index",
+        "tandem_suffix_evicted_sequences_total",
     }
 )
 HISTOGRAMS = frozenset(
@@ -93,6 +95,7 @@ GAUGES = frozenset(
         "tandem_ranks",
         "tandem_spec_verify_cost_ratio",
         "tandem_spec_draft_step_cost_ratio",
+        "tandem_suffix_index",
     }
 )
 METRIC_RE = re.compile(r"\b(vllm:[a-z0-9_:]+|tandem_[a-z0-9_]+)")

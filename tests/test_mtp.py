@@ -403,7 +403,7 @@ async def test_no_mtp_and_a_headless_checkpoint_serve_without_it(checkpoints, re
     for path, overrides in ((checkpoints["copy"], {"mtp": False}), (checkpoints["converted"], {})):
         scheduler = start_scheduler(path, **overrides)
         try:
-            assert scheduler.drafters == ["pld"]
+            assert scheduler.drafters == ["pld", "suffix"]
             assert scheduler.speculative_engine.registry.mtp is None
         finally:
             scheduler.stop()

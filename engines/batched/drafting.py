@@ -26,7 +26,7 @@ from engines.cache.ragged_cache import (
     pinned,
     set_row_length,
 )
-from engines.drafting.draft import DRAFT, PLD
+from engines.drafting.draft import DRAFT, PLD, SUFFIX, Draft
 from engines.drafting.draft_model import DraftState, choose_draft_token, shared_prefix
 from engines.drafting.draft_vocab import OwnTokens, bind_own
 from engines.drafting.mtp import MTPState
@@ -47,7 +47,7 @@ class BatchRow:
     draft_length: int = 0  # how many tokens the draft model drafts for it this step
     probs: mx.array | None = None  # (k, V) q of a sampled draft-model proposal
     method: str | None = None
-    match: int = 0  # the n-gram length of this step's prompt lookup proposal
+    match: int = 0  # the match length of this step's lookup proposal (PLD's or SUFFIX's)
     mtp: MTPState | None = None  # its MTP head's bookkeeping (`batched_mtp`), if it may use it
     own: OwnTokens = field(default_factory=OwnTokens)  # its tokens a reduced draft scores
 
@@ -59,8 +59,10 @@ class BatchRow:
 def plan_rows(
     rows: list[BatchRow], costs: BatchCosts, row_cap, model_drafter: str | None
 ) -> BatchPlan:
-    """Each row's PLD proposal and drafting options, then the step's plan: the draft
-    length K with the best expected tokens per second, and each row's method at K
+    """Each row's lookup proposal (prompt lookup's, or the suffix drafter's from its
+    key's earlier requests, whichever is expected to commit more) and drafting
+    options, then the step's plan: the draft length K with the best expected tokens
+    per second, and each row's method at K
     (`model_drafter`, DRAFT or MTP, names the model drafter; None: there is none).
     `row_cap(row, method)` is the longest draft the row may propose."""
     options, caps = [], []
@@ -69,13 +71,12 @@ def plan_rows(
         cap, pld_cap = row_cap(row, DRAFT), row_cap(row, PLD)
         caps.append(max(cap, pld_cap))
         row_options = []
-        if pld_cap > 0 and PLD in row.gates:
-            proposal = row.pld.propose(row.tokens, pld_cap)
-            if proposal is not None:
-                row.drafts, row.method = proposal.tokens, PLD
-                row.match = proposal.match_length
-                acceptance = row.gates[PLD].acceptance(row.match)
-                row_options.append(RowOption(acceptance, len(proposal.tokens), False))
+        proposal = lookup_proposal(row, pld_cap) if pld_cap > 0 else None
+        if proposal is not None:
+            row.drafts, row.method = proposal.tokens, proposal.method
+            row.match = proposal.match_length
+            acceptance = row.gates[proposal.method].acceptance(row.match)
+            row_options.append(RowOption(acceptance, len(proposal.tokens), False))
         if cap > 0 and DRAFT in row.gates and model_drafter is not None:
             row_options.append(RowOption(row.gates[DRAFT].acceptance(), cap, True))
         options.append(row_options)
@@ -90,6 +91,32 @@ def plan_rows(
     if plan.with_model and not any(row.method == model_drafter for row in rows):
         plan = costs.plan(len(rows), plan.k, False, plan.tokens)
     return plan
+
+
+def lookup_proposal(row: BatchRow, cap: int) -> Draft | None:
+    """The row's better lookup proposal by expected committed tokens at its gate's
+    acceptance for its match length: prompt lookup's (its own context; it wins a tie)
+    or the suffix drafter's (its key's earlier requests). A suffix gate with nothing to
+    propose rests a few tokens."""
+    candidates = []
+    if PLD in row.gates:
+        candidates.append(row.pld.propose(row.tokens, cap))
+    gate = row.gates.get(SUFFIX)
+    if gate is not None and gate.due and row.seq.suffix is not None:
+        suffix = row.seq.suffix.propose(row.tokens, cap)
+        if suffix is None:
+            gate.rest()
+        candidates.append(suffix)
+    best, best_gain = None, 0.0
+    for draft in candidates:
+        if draft is None:
+            continue
+        gain = expected_tokens(
+            row.gates[draft.method].acceptance(draft.match_length), len(draft.tokens)
+        )
+        if gain > best_gain:
+            best, best_gain = draft, gain
+    return best
 
 
 def choose_row_method(row: BatchRow, options: list[RowOption], k: int, with_model: bool) -> None:

@@ -52,7 +52,7 @@ from engines.batched.verify import accept_rows, commit_row, process_rows
 from engines.cache.ragged_cache import RaggedKVCache, ragged_from_rows, remove_rows
 from engines.cache.ragged_recurrent import is_recurrent
 from engines.cache.rollback import capturing_inputs, restore_rows, roll_back_rows, take_snapshot
-from engines.drafting.draft import DRAFT, MTP, PLD
+from engines.drafting.draft import DRAFT, LOOKUPS, MTP
 from engines.drafting.draft_model import DraftState
 from engines.drafting.mtp import MTPState
 from engines.drafting.prompt_lookup import PromptLookupDrafter
@@ -493,7 +493,7 @@ class BatchedSpeculativeEngine:
         method = DRAFT if row.method == MTP else row.method  # one gate per model drafter
         gate = row.gates[method]
         k_max = self._row_cap(row, method) or drafted
-        match = row.match if row.method == PLD else 0
+        match = row.match if row.method in LOOKUPS else 0
         if gate.record(drafted, accepted, k_max, self.costs.prior, match=match):
             row.seq.spec.trip("runtime")
 

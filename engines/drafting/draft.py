@@ -16,20 +16,24 @@ import mlx.core as mx
 PLD = "pld"
 DRAFT = "draft"
 MTP = "mtp"  # the model's own multi-token-prediction head (engines.drafting.mtp)
+SUFFIX = "suffix"  # the API key's recent requests (engines.drafting.suffix)
+LOOKUPS = (PLD, SUFFIX)  # drafters that copy tokens: free to make, gated by match length
 
 
 @dataclass
 class Draft:
-    method: str  # PLD, DRAFT or MTP
+    method: str  # PLD, SUFFIX, DRAFT or MTP
     tokens: list[int]
     probs: mx.array | None  # (k, V) float32 q for sampled drafts; None = one-hot
-    match_length: int = 0  # PLD: length of the n-gram that matched
+    # PLD: length of the n-gram that matched; SUFFIX: the match's length rounded down
+    # to a power of two (`engines.drafting.suffix.match_bucket`). Gates learn by it.
+    match_length: int = 0
     confidences: list[float] = field(default_factory=list)  # draft model: its p(token)
 
     @property
     def gate(self) -> str:
         """The gate that rules this draft: a model drafter's (DRAFT) for the draft model
-        and the MTP head alike -- one model drafter serves at a time -- else PLD's."""
+        and the MTP head alike -- one model drafter serves at a time -- else its own."""
         return DRAFT if self.method == MTP else self.method
 
 

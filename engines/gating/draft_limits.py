@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engines.drafting.draft import DRAFT, PLD
+from engines.drafting.draft import DRAFT, LOOKUPS, PLD, SUFFIX
 from engines.gating.gates import MethodGate, prompt_repetition_score
 from engines.sequence import Sequence
 from engines.state import SpecConfig
@@ -39,13 +39,15 @@ class DraftLimits:
         k = seq.request.speculation.num_draft_tokens
         if k is not None:
             return max(0, min(k, self.k_cap))
-        if method == PLD and self.config.num_draft_tokens > 0:
+        if method in LOOKUPS and self.config.num_draft_tokens > 0:
             return self.pld_cap
         return self.config.num_draft_tokens
 
     def initial_gates(self, seq: Sequence) -> dict[str, MethodGate]:
         """A gate per drafting method the request may use. Lookup's starts closed on a
-        prompt with too little repetition to copy from (it reopens on evidence)."""
+        prompt with too little repetition to copy from (it reopens on evidence); the
+        suffix drafter's starts open (it drafts only on a match in the key's earlier
+        requests, and rests while there is none)."""
         overrides = seq.request.speculation
         gates = {}
         if self.request_k(seq) == 0:
@@ -59,6 +61,8 @@ class DraftLimits:
                 seq.spec.trip("prompt")
                 self.totals.trip("prompt")
             gates[PLD] = gate
+        if seq.suffix is not None:  # its key's earlier requests (`engines.drafting.suffix`)
+            gates[SUFFIX] = MethodGate(SUFFIX, alpha=0.5)
         if self.has_model_drafter and overrides.enable_draft is not False:
             gates[DRAFT] = MethodGate(DRAFT, alpha=0.6)
         return gates

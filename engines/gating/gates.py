@@ -131,6 +131,7 @@ class MethodGate:
     outcome_seconds: float | None = None
     outcomes: int = 0
     min_outcomes: int = 8
+    idle: int = 0  # plain tokens an open gate sits out: it had nothing to propose (`rest`)
 
     def acceptance(self, match: int = 0) -> tuple[float, ...]:
         """Per-position acceptance a_1, a_2, ...: each position's running rate, pulled
@@ -281,11 +282,17 @@ class MethodGate:
         """A probe was due but had nothing to propose; look again a bit later."""
         self.cooldown = tokens
 
+    def rest(self, tokens: int = 4) -> None:
+        """An open gate's drafter found nothing to propose (the key's earlier requests
+        hold no match): sit out a few tokens, so they run as pipelined plain steps."""
+        self.idle = tokens
+
     def plain_token(self) -> None:
         if not self.open and self.cooldown > 0:
             self.cooldown -= 1
+        self.idle = max(0, self.idle - 1)
 
     @property
     def due(self) -> bool:
         """True if this method may draft at the next step."""
-        return self.open or self.cooldown <= 0
+        return (self.open and self.idle <= 0) or (not self.open and self.cooldown <= 0)

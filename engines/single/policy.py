@@ -1,8 +1,10 @@
 """The single stream's drafting policy: what the next step drafts, and what each verify
 teaches the gates.
 
-A step is plain (k = 0) unless a gate says drafting pays: prompt lookup's proposal cut
-to the length its match length's acceptance makes worth verifying, or the draft model's
+A step is plain (k = 0) unless a gate says drafting pays: a lookup's proposal -- prompt
+lookup's, or the suffix drafter's from the API key's earlier requests, whichever is
+expected to commit more -- cut to the length its match length's acceptance makes worth
+verifying, or the draft model's
 (or MTP head's) run up to where its confidence says to stop; with both ready, the one
 expected to pay more. While the draft model drafts without pause, a few plain steps are
 forced now and then, an A/B probe that keeps what drafting really gives measured.
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engines.drafting.draft import DRAFT, PLD, Draft
+from engines.drafting.draft import DRAFT, LOOKUPS, PLD, SUFFIX, Draft
 from engines.drafting.draft_model import DraftModelDrafter, DraftState
 from engines.drafting.mtp import MTPDrafter, MTPState
 from engines.gating.draft_confidence import ConfidenceCalibration, DraftStop
@@ -38,7 +40,7 @@ class SingleStreamPolicy:
         pays or not by the request's content, which the server's average hides)."""
         if self.realized is None:
             return None
-        if method == DRAFT:
+        if method not in LOOKUPS:
             return self.realized.measured(method)
         gate = active.gates.get(method) if active is not None else None
         return gate.measured_against(self.realized.rate(PLAIN)) if gate is not None else None
@@ -56,7 +58,11 @@ class SingleStreamPolicy:
         if gate is not None and gate.open and self.realized and self.realized.plain_probe_due():
             active.forced_plain = 4  # an A/B probe: plain steps to compare drafting with
             return None
-        pld_draft = self.propose_pld(active, pld_k_max) if PLD in active.gates else None
+        pld_draft = self.better_lookup(
+            active,
+            self.propose_pld(active, pld_k_max) if PLD in active.gates else None,
+            self.propose_suffix(active, pld_k_max) if SUFFIX in active.gates else None,
+        )
         measured, trusted = self.measured(DRAFT), self.trusted_draft()
         k = gate.draft_length(k_max, self.costs.model(), measured, trusted=trusted) if gate else 0
         if k == 0 or (pld_draft is not None and self.prefer_pld(active, pld_draft, k)):
@@ -91,14 +97,51 @@ class SingleStreamPolicy:
 
     def prefer_pld(self, active: Active, pld_draft: Draft, draft_k: int) -> bool:
         """With both drafters ready, draft with the one expected to pay more this step:
-        a long lookup match, or PLD's measured acceptance making it the better deal."""
+        a long lookup match, or the lookup's measured acceptance making it the better
+        deal (`pld_draft`: prompt lookup's or the suffix drafter's)."""
         if pld_draft.match_length >= self.limits.config.pld_preferred_match:
-            pld_gate, draft_gate = active.gates[PLD], active.gates[DRAFT]
-            acceptance = pld_gate.acceptance(pld_draft.match_length)
-            pld_gain = speedup(acceptance, len(pld_draft.tokens), self.costs.model(), PLD)
+            draft_gate = active.gates[DRAFT]
+            pld_gain = self.lookup_gain(active, pld_draft)
             draft_gain = speedup(draft_gate.acceptance(), draft_k, self.costs.model(), DRAFT)
             return pld_gain >= draft_gain
         return False
+
+    def lookup_gain(self, active: Active, draft: Draft) -> float:
+        """A lookup draft's expected speed-up over plain steps, by its gate's acceptance
+        at its match length."""
+        acceptance = active.gates[draft.gate].acceptance(draft.match_length)
+        return speedup(acceptance, len(draft.tokens), self.costs.model(), draft.method)
+
+    def better_lookup(
+        self, active: Active, pld_draft: Draft | None, suffix_draft: Draft | None
+    ) -> Draft | None:
+        """Of prompt lookup's and the suffix drafter's proposals, the one expected to
+        pay more (prompt lookup's on a tie: the request's own context is the surer
+        source)."""
+        if pld_draft is None or suffix_draft is None:
+            return pld_draft or suffix_draft
+        better = self.lookup_gain(active, suffix_draft) > self.lookup_gain(active, pld_draft)
+        return suffix_draft if better else pld_draft
+
+    def propose_suffix(self, active: Active, k_max: int) -> Draft | None:
+        """The suffix drafter's proposal from the key's earlier requests, cut to the
+        length its gate finds worth verifying; with nothing to propose, an open gate
+        rests a few tokens (plain steps then pipeline) and a closed one waits."""
+        gate = active.gates[SUFFIX]
+        if not gate.due:
+            return None
+        draft = active.seq.suffix.propose(active.tokens, k_max)
+        if draft is None:
+            if gate.open:
+                gate.rest()
+            else:
+                gate.postpone()
+            return None
+        k = gate.draft_length(k_max, self.costs.model(), None, draft.match_length)
+        if k == 0:
+            return None
+        draft.tokens = draft.tokens[:k]
+        return draft
 
     def propose_pld(self, active: Active, k_max: int) -> Draft | None:
         """The lookup's proposal, cut to the length its match length's acceptance makes

@@ -17,7 +17,12 @@ from starlette.responses import JSONResponse
 from scheduler.observer import RequestRecord
 from server.auth import caller_key_id
 
-METHOD_NAMES = {"pld": "prompt lookup", "draft": "draft model", "mtp": "MTP head"}
+METHOD_NAMES = {
+    "pld": "prompt lookup",
+    "suffix": "earlier requests",
+    "draft": "draft model",
+    "mtp": "MTP head",
+}
 OWN_REQUESTS = 12  # the caller's latest finished requests shown
 
 

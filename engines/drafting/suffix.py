@@ -1,0 +1,171 @@
+"""Suffix decoding: drafts from the recent requests of one API key.
+
+Prompt lookup copies from the request's own context. An agent or a user asks much the
+same thing again and again -- the same question in a new conversation, the same tool
+call format, the same file read twice -- and the answer then repeats an earlier
+request's output, which no lookup in the new request's context can see. `SuffixIndex`
+holds a bounded number of recent sequences (prompt and output, token ids) and answers,
+as a suffix tree with frequency counts would (Arctic Inference's SuffixDecoding, vLLM's
+suffix decoding): which earlier positions share the longest suffix with the current
+context, and what followed them, most often first.
+
+* **Occurrences.** Every position is indexed by the `GRAM` tokens before it (its
+  continuation start); a lookup takes the context's last `GRAM` tokens and extends each
+  occurrence backwards while it still agrees with the context (up to `MAX_MATCH`): the
+  occurrences that agree at least L tokens are the suffix tree's node at depth L.
+* **Drafts.** From a node, the draft grows greedily: the continuation token most of the
+  node's occurrences have next (its frequency the probability), keeping the
+  occurrences that agree, while the product of probabilities stays at least
+  `MIN_PROBABILITY`, for at most `FACTOR` x the match length tokens (a long match earns
+  a long draft, a two-token match a short one). The deepest node and a few shallower,
+  more frequent ones are tried; the draft with the most expected accepted tokens wins.
+* **Bounds.** The index holds at most `max_tokens` tokens; the oldest sequence is
+  evicted first, and each n-gram keeps its latest `MAX_OCCURRENCES` positions.
+
+Everything is ints and dicts: no MLX. One index belongs to one API key
+(`scheduler.suffix_store`): a request only ever reads its own key's, so another key's
+request never drafts from it and cannot time it (a side channel). Proposals are only
+drafts: the target verifies every token.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+
+from engines.drafting.draft import SUFFIX, Draft
+
+GRAM = 2  # tokens a position is indexed by (the shortest match)
+MAX_MATCH = 64  # a match is extended backwards at most this far
+MAX_OCCURRENCES = 128  # latest positions kept per n-gram
+MAX_CANDIDATES = 48  # latest occurrences extended backwards per lookup
+LEVELS = 3  # match depths tried per lookup (the deepest and shallower ones)
+MIN_PROBABILITY = 0.1  # a draft stops where its estimated probability falls below this
+FACTOR = 1.0  # the longest draft: this times the match length
+SHIFT = 32  # an occurrence is `sequence id << SHIFT | position`
+MASK = (1 << SHIFT) - 1
+
+
+def match_bucket(length: int) -> int:
+    """The match length rounded down to a power of two: what a suffix draft's gate
+    learns acceptance by (a 40-token match and a 50-token one say the same)."""
+    return 1 << (max(1, length).bit_length() - 1)
+
+
+class SuffixIndex:
+    """The recent sequences of one key, indexed for suffix matching; bounded by tokens."""
+
+    def __init__(self, max_tokens: int = 1 << 16) -> None:
+        self.max_tokens = max_tokens
+        self.sequences: OrderedDict[int, list[int]] = OrderedDict()  # oldest first
+        self.grams: dict[tuple[int, ...], list[int]] = {}  # gram -> occurrences, oldest first
+        self.tokens = 0  # held, over all sequences
+        self.added = 0  # sequences ever added (the next id)
+        self.evicted = 0  # sequences evicted to stay within max_tokens
+
+    def add(self, tokens: list[int]) -> None:
+        """Index a finished sequence (prompt and output); the oldest go beyond the bound.
+        A sequence longer than the bound keeps its last `max_tokens` tokens."""
+        tokens = list(tokens[-self.max_tokens :]) if self.max_tokens > 0 else []
+        if len(tokens) <= GRAM:
+            return
+        while self.sequences and self.tokens + len(tokens) > self.max_tokens:
+            self._evict_oldest()
+        sid = self.added
+        self.added += 1
+        self.sequences[sid] = tokens
+        self.tokens += len(tokens)
+        for end in range(GRAM, len(tokens)):  # the gram tokens[end-GRAM:end] continues at end
+            occurrences = self.grams.setdefault(tuple(tokens[end - GRAM : end]), [])
+            occurrences.append(sid << SHIFT | end)
+            if len(occurrences) > MAX_OCCURRENCES:
+                del occurrences[0]
+
+    def _evict_oldest(self) -> None:
+        sid, tokens = self.sequences.popitem(last=False)
+        self.tokens -= len(tokens)
+        self.evicted += 1
+        for end in range(GRAM, len(tokens)):
+            gram = tuple(tokens[end - GRAM : end])
+            occurrences = self.grams.get(gram)
+            if occurrences is None:
+                continue  # already emptied by an earlier position of this sequence
+            drop = 0
+            while drop < len(occurrences) and occurrences[drop] >> SHIFT <= sid:
+                drop += 1
+            if drop == len(occurrences):
+                del self.grams[gram]
+            elif drop:
+                del occurrences[:drop]
+
+    def propose(self, context: list[int], k: int) -> Draft | None:
+        """Up to k tokens that followed the longest suffix of `context` seen in this
+        index (its match length bucketed as `match_length`), or None."""
+        if k <= 0 or len(context) < GRAM:
+            return None
+        occurrences = self.grams.get(tuple(context[-GRAM:]))
+        if not occurrences:
+            return None
+        matched = [
+            (self._agreement(context, occurrence), occurrence)
+            for occurrence in reversed(occurrences[-MAX_CANDIDATES:])
+        ]
+        best: tuple[float, int, list[int]] | None = None
+        for depth in sorted({length for length, _ in matched}, reverse=True)[:LEVELS]:
+            node = [occurrence for length, occurrence in matched if length >= depth]
+            limit = min(k, max(1, int(FACTOR * depth)))
+            score, tokens = self._grow(node, limit)
+            if tokens and (best is None or score > best[0]):
+                best = (score, depth, tokens)
+        if best is None:
+            return None
+        _, depth, tokens = best
+        return Draft(SUFFIX, tokens, None, match_length=match_bucket(depth))
+
+    def _agreement(self, context: list[int], occurrence: int) -> int:
+        """How many tokens before the occurrence agree with the end of the context (at
+        least GRAM: the occurrence was found by them)."""
+        tokens = self.sequences[occurrence >> SHIFT]
+        end = occurrence & MASK
+        length = GRAM
+        limit = min(MAX_MATCH, end, len(context))
+        while length < limit and tokens[end - length - 1] == context[-length - 1]:
+            length += 1
+        return length
+
+    def _grow(self, node: list[int], limit: int) -> tuple[float, list[int]]:
+        """(expected accepted tokens, draft): the most frequent continuation of the
+        node's occurrences, token by token, while its probability stays high enough."""
+        tokens: list[int] = []
+        score, probability = 0.0, 1.0
+        positions = [(self.sequences[o >> SHIFT], o & MASK) for o in node]
+        while len(tokens) < limit and positions:
+            counts = Counter(seq[at] for seq, at in positions if at < len(seq))
+            if not counts:
+                break
+            token, count = counts.most_common(1)[0]
+            probability *= count / len(positions)
+            if probability < MIN_PROBABILITY:
+                break
+            tokens.append(token)
+            score += probability
+            positions = [(s, at + 1) for s, at in positions if at < len(s) and s[at] == token]
+        return score, tokens
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "sequences": len(self.sequences),
+            "tokens": self.tokens,
+            "grams": len(self.grams),
+            "evicted_sequences": self.evicted,
+        }
+
+
+class SuffixReader:
+    """A request's read-only view of its own key's index: it drafts from it, never
+    writes it (the scheduler adds each finished request)."""
+
+    def __init__(self, index: SuffixIndex) -> None:
+        self._index = index
+
+    def propose(self, context: list[int], k: int) -> Draft | None:
+        return self._index.propose(context, k)

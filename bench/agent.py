@@ -3,6 +3,7 @@
 
     tandem bench agent                       # Qwen2.5-Coder-0.5B, both sessions, c=1,2,4
     tandem bench agent --short               # 1 session, 2 turns, c=1, the tiny agent model
+    tandem bench agent --sessions claude-code-2.1,codex-0.171   # the capture-server sessions
     tandem bench agent --peer none --output agent.json
 
 Each session (bench/data/agent/, bench/agent_sessions.py) is a real client's requests,
@@ -59,7 +60,9 @@ from bench.single_stream import free_port, start_process, stop_server
 ROOT = Path(__file__).resolve().parents[1]
 SERVED = "bench"
 PEER_ID = "default_model"
-DEFAULT_SESSIONS = ("claude-code-2.1", "codex-0.171")
+# recorded from the real CLIs against Tandem (bench/agent_record.py): Claude Code's
+# Read, Edit, answer and Codex's exec_command, answer, with the server's own answers
+DEFAULT_SESSIONS = ("claude-code-2.1-tandem", "codex-0.171-tandem")
 PEER_SENT = {
     "chat": "/v1/chat/completions with the chat messages and tools Tandem renders for the "
     "request (checked offline to render to Tandem's prompt ids); its answer read from its "
@@ -156,7 +159,7 @@ def parse_args(argv: list[str]) -> Settings:
     parser.add_argument(
         "--short",
         action="store_true",
-        help="1 session (claude-code-2.1), 2 turns, c=1, 16 tokens, the tiny agent model",
+        help="1 session (claude-code-2.1-tandem), 2 turns, c=1, 16 tokens, the agent-tiny model",
     )
     args = parser.parse_args(argv)
     if args.short:

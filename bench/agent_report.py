@@ -161,7 +161,7 @@ def report_text(result: dict[str, Any]) -> str:
         lines.append(f"{name:<9} {' '.join(side['command'])}  [BLAS {blas}]")
     lines.append(f"plain     mlx_lm generate_step in-process [BLAS {model.get('blas', '?')}]")
     head = f"{'prompt':>7} {'cached':>7} {'out':>5} {'ttft_s':>7} {'dec t/s':>8} {'e2e_s':>7}"
-    lines += ["", f"{'c':>2} {'session':<22} {'t':>2} {'side':<7} {head}  identical"]
+    lines += ["", f"{'c':>2} {'session':<30} {'t':>2} {'side':<7} {head}  identical"]
     for row in result["rows"]:
         for side in ("tandem", "peer"):
             if side == "peer" and row["peer"] is None:
@@ -173,7 +173,7 @@ def report_text(result: dict[str, Any]) -> str:
                 f"prompt:{mark(row['peer_prompt_identical'])}"
             )
             lines.append(
-                f"{row['level']:>2} {row['session']:<22} {row['turn']:>2} {side:<7} "
+                f"{row['level']:>2} {row['session']:<30} {row['turn']:>2} {side:<7} "
                 f"{turn_cells(row[side])}  {same}"
             )
     lines += ["", "per level: mean session wall s (max) | wall s, all groups | mean ttft s | "

@@ -21,7 +21,9 @@ from bench.agent_report import summarize
 from bench.agent_sessions import find_sessions, replay_body, session_copy
 
 ROOT = Path(__file__).resolve().parents[1]
-SHORT_S = 60  # the short form's bound on this CPU (model built beforehand)
+# the short form's bound (model built beforehand): 14 s on an idle 2-core CPU, 40 s
+# with the box loaded by other work
+SHORT_S = 90
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,7 @@ def test_short_form_against_tandem_reports_each_turn(tmp_path, agent_model):
     assert elapsed < SHORT_S, f"the short form took {elapsed:.0f}s"
     assert result["model"]["path"] == agent_model
     assert result["model"]["dtype"] == ["mlx.core.float32"]
-    assert result["settings"]["sessions"] == ["claude-code-2.1"]
+    assert result["settings"]["sessions"] == ["claude-code-2.1-tandem"]
     assert result["settings"]["concurrency"] == [1] and result["settings"]["max_tokens"] == 16
     assert list(result["sides"]) == ["tandem"]
     assert result["sides"]["tandem"]["blas"]["blas"]
@@ -88,15 +90,17 @@ def test_short_form_against_tandem_reports_each_turn(tmp_path, agent_model):
 def test_copies_are_distinct_conversations_with_recorded_history():
     """Each copy's tag is in every turn's first user message, so a copy's later turn
     still extends its own earlier one (cache reuse within a session, not across)."""
-    for session in find_sessions(["claude-code-2.1", "codex-0.171"]):
+    names = ["claude-code-2.1", "codex-0.171", "claude-code-2.1-tandem", "codex-0.171-tandem"]
+    for session in find_sessions(names):
         a, b = session_copy(session, "c2-s0"), session_copy(session, "c2-s1")
         key = "messages" if session.turns[0].surface == "messages" else "input"
         for turn_a, turn_b in zip(a.turns, b.turns, strict=True):
             assert json.dumps(turn_a.body[key]) != json.dumps(turn_b.body[key])
             assert "[bench session c2-s0]" in json.dumps(turn_a.body[key])
-        first, second = (without_cache_marks(t.body[key]) for t in a.turns)
-        assert second[: len(first)] == first  # turn 1's history, as recorded, then more
-        assert len(second) > len(first)
+        for earlier, later in zip(a.turns, a.turns[1:], strict=False):
+            first, second = (without_cache_marks(t.body[key]) for t in (earlier, later))
+            assert second[: len(first)] == first  # the history as sent before, then more
+            assert len(second) > len(first)
         body = replay_body(a.turns[0], "m", 7)
         assert body["model"] == "m" and body["temperature"] == 0 and body["stream"] is True
         assert body.get("max_tokens", body.get("max_output_tokens")) == 7

@@ -44,6 +44,10 @@ class SchedulerConfig:
     batch_prefill_step_size: int = 512  # prefill chunk while batched (bounds others' gaps)
     prefix_cache_entries: int = 16  # finished requests' KV caches kept for reuse (0: off)
     prefix_cache_bytes: int = 2 << 30
+    # The prefix cache's tier on disk (scheduler/prefix_disk.py): its directory (None:
+    # the user's cache directory) and bound in bytes; 0 = off (here; the CLI's is on).
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_bytes: int = 0
     # Suffix decoding (scheduler/suffix_store.py): each API key's recent requests, at
     # most this many tokens per key and this many keys, draft for its new requests
     # (0: off).

@@ -23,6 +23,10 @@ checkpoint) or `ASSISTANT` (a finished request). mlx-lm's LRU evicts finished re
 first while there are as many of them as prompt checkpoints, and prompt checkpoints
 before system prompts, so a shared system prompt is not pushed out by a busy hour of
 conversations that each leave two entries behind.
+
+With a disk tier (scheduler/prefix_disk.py), what is stored is also written to disk in
+the background, and a lookup that an entry on disk serves further than memory does reads
+it back into memory (a restart's first request, an entry evicted from memory).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from engines.cache.rollback import can_trim, trim_exact
 from engines.drafting.draft_model import DraftState
+from scheduler.prefix_disk import DiskTier, identities
 
 MODEL_KEY = "target"
 SYSTEM, USER, ASSISTANT = "system", "user", "assistant"  # mlx-lm's cache types
@@ -44,19 +49,60 @@ class PrefixHit:
     cache: list  # the target's KV cache, holding `cached` leading tokens of the prompt
     cached: int
     draft: DraftState | None  # the draft model's cache of the same tokens, if kept
+    tier: str = "ram"  # where it came from: "ram" or "disk"
 
 
 class PrefixCache:
-    def __init__(self, max_entries: int = 16, max_bytes: int = 2 << 30) -> None:
+    def __init__(
+        self, max_entries: int = 16, max_bytes: int = 2 << 30, disk: DiskTier | None = None
+    ) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
+        self.disk = disk
+        self.hits = {"ram": 0, "disk": 0}  # lookups served, by tier
         self._scopes: dict[str, LRUPromptCache] = {}  # only scopes holding entries
         self._target_layers = 0  # an entry's first this-many layers are the target's
+
+    def attach(self, registry, draft_vocab: int | None = None) -> None:
+        """Open the disk tier for the loaded model (engine thread, after the load)."""
+        if self.disk is not None:
+            memo = self.disk.directory / ".hashes"
+            self.disk.open(identities(registry, draft_vocab, memo))
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes (at shutdown)."""
+        if self.disk is not None:
+            self.disk.close()
 
     def lookup(self, tokens: list[int], scope: str = "") -> PrefixHit | None:
         """The longest cached prefix of `tokens` among `scope`'s entries (a copy); at
         least one token is always left uncached, because the next forward needs an
-        input."""
+        input. An entry on disk that serves more than memory does is read back first."""
+        hit = self._lookup(tokens, scope)
+        if self.disk is not None:
+            found = self.disk.best(tokens, scope, hit.cached if hit else 0)
+            loaded = self.disk.load(found[0]) if found else None
+            if loaded is not None:
+                self._promote(loaded, scope)
+                better = self._lookup(tokens, scope)
+                if better is not None and (hit is None or better.cached > hit.cached):
+                    hit, better.tier = better, "disk"
+        if hit is not None:
+            self.hits[hit.tier] += 1
+        return hit
+
+    def _promote(self, loaded, scope: str) -> None:
+        """A disk entry into memory, as `store` keeps one (not written back)."""
+        self._target_layers = loaded.target_layers
+        lru = self._scopes.get(scope)
+        if lru is None:
+            lru = self._scopes[scope] = LRUPromptCache(self.max_entries, self.max_bytes)
+        lru.insert_cache(MODEL_KEY, list(loaded.tokens), loaded.layers, cache_type=loaded.kind)
+        if len(lru) == 0:
+            del self._scopes[scope]
+        self._fit()
+
+    def _lookup(self, tokens: list[int], scope: str) -> PrefixHit | None:
         lru = self._scopes.get(scope)
         if lru is None:
             return None
@@ -98,6 +144,8 @@ class PrefixCache:
         lru = self._scopes.get(scope)
         if lru is None:
             lru = self._scopes[scope] = LRUPromptCache(self.max_entries, self.max_bytes)
+        if self.disk is not None:  # copied to host memory now, written in the background
+            self.disk.save(list(tokens), layers, scope, kind, len(cache))
         lru.insert_cache(MODEL_KEY, list(tokens), layers, cache_type=kind)
         if len(lru) == 0:  # the entry alone was over the byte bound: nothing kept
             del self._scopes[scope]
@@ -129,6 +177,16 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return sum(len(lru) for lru in self._scopes.values())
+
+    def stats(self) -> dict:
+        """Entries, bytes and hits by tier (read from other threads: a snapshot)."""
+        scopes = list(self._scopes.values())
+        return {
+            "entries": sum(len(lru) for lru in scopes),
+            "bytes": sum(lru.nbytes for lru in scopes),
+            "hits": dict(self.hits),
+            "disk": self.disk.stats() if self.disk is not None else None,
+        }
 
 
 def _trim(cache: list, count: int) -> bool:

@@ -40,6 +40,7 @@ from scheduler.pausing import Pausing
 from scheduler.policy import Mode, ModePolicy
 from scheduler.preemption import Preemption
 from scheduler.prefix_cache import PrefixCache
+from scheduler.prefix_disk import disk_tier
 from scheduler.prefix_reuse import PrefixReuse
 from scheduler.requests import Place, RequestTable
 from scheduler.scoring import ScoringQueue
@@ -86,7 +87,13 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
         self._scoring = ScoringQueue()  # running requests whose prompts are being scored
         self._policy = ModePolicy(config.batch_threshold, config.batch_return_steps)
         self._prefix = (
-            PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)
+            PrefixCache(
+                config.prefix_cache_entries,
+                config.prefix_cache_bytes,
+                disk_tier(
+                    config.prefix_cache_dir, config.prefix_cache_disk_bytes, config.distributed
+                ),
+            )
             if config.prefix_cache_entries > 0
             else None
         )
@@ -215,6 +222,8 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
             self._serve()
             self._stop_followers()
         finally:
+            if self._prefix is not None:
+                self._prefix.close()  # its disk tier's queued writes
             # Work queued with async_eval (a pipelined token of a cancelled request)
             # must finish, and this thread's MLX streams (and their worker threads) be
             # destroyed here, before the thread ends: left to static destruction at
@@ -291,6 +300,8 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
     def _load(self) -> None:
         loaded = load_model(self.config)
         self.engines.load(loaded, prefix_cache=self._prefix is not None)
+        if self._prefix is not None:  # its disk tier, for this model (scheduler/prefix_disk.py)
+            self._prefix.attach(self.registry, self.config.draft_vocab)
         if self.registry.lockstep is not None:
             self.registry.lockstep.watch.start(self._rank_lost)
         if not self.speculation_supported:  # every request is batched
@@ -355,6 +366,11 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
     @property
     def speculation_costs(self) -> dict | None:
         return self.engines.speculation_costs
+
+    @property
+    def prefix_stats(self) -> dict | None:
+        """The prefix cache's entries, bytes and hits by tier (memory, disk)."""
+        return self._prefix.stats() if self._prefix is not None else None
 
     @property
     def max_draft_tokens(self) -> int:

@@ -8,6 +8,7 @@ listing the flags as it always has.
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -309,6 +310,19 @@ def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefix-cache-gb", type=float, default=2.0, help="memory bound of the prefix cache"
+    )
+    parser.add_argument(
+        "--prefix-cache-dir",
+        default=os.environ.get("TANDEM_PREFIX_CACHE_DIR"),
+        help="the prefix cache's tier on disk, kept across restarts (default: "
+        "$TANDEM_PREFIX_CACHE_DIR, else $XDG_CACHE_HOME/tandem/prefix or ~/.cache/tandem/prefix)",
+    )
+    parser.add_argument(
+        "--prefix-cache-disk-gb",
+        type=float,
+        default=float(os.environ.get("TANDEM_PREFIX_CACHE_DISK_GB", "4")),
+        help="bound of the prefix cache on disk, least recently used out first "
+        "(0 disables; default: $TANDEM_PREFIX_CACHE_DISK_GB, else 4)",
     )
     parser.add_argument(
         "--max-kv-gb",

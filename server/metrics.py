@@ -372,6 +372,7 @@ class Metrics:
             "batched_engine_started": scheduler.batched_engine is not None,
             "memory_bytes": dict(scheduler.memory),
             "kv_budget": scheduler.kv_stats,
+            "prefix_cache": scheduler.prefix_stats,
             "measured_rates": dict(scheduler.measured_rates),
         }
 
@@ -439,6 +440,7 @@ class _LiveGauges(Collector):
         yield from (running, waiting, mode, memory, blas, supported, drafters, ranks)
         yield from _suffix_metrics(m, scheduler.suffix.stats())
         yield from _kv_metrics(m, scheduler.kv_stats)
+        yield from _prefix_metrics(m, scheduler.prefix_stats)
         yield from self._cost_gauges(m, scheduler.speculation_costs)
 
     @staticmethod
@@ -479,6 +481,24 @@ def _suffix_metrics(m: str, stats: dict[str, int]) -> Iterator:
     )
     evicted.add_metric([m], stats["evicted_sequences"])
     yield from (size, evicted)
+
+
+def _prefix_metrics(m: str, prefix: dict | None) -> Iterator:
+    """Prefix-cache lookups served, by tier (memory, disk), and the bytes on disk."""
+    hits = CounterMetricFamily(
+        "tandem_prefix_cache_hits",
+        "Requests started from a prefix-cache entry, by the tier it came from (ram, disk).",
+        labels=["model_name", "tier"],
+    )
+    disk = GaugeMetricFamily(
+        "tandem_prefix_cache_disk_bytes",
+        "Bytes of prefix-cache entries on disk (--prefix-cache-disk-gb bounds them).",
+        labels=["model_name"],
+    )
+    for tier in ("ram", "disk"):
+        hits.add_metric([m, tier], prefix["hits"][tier] if prefix else 0)
+    disk.add_metric([m], prefix["disk"]["bytes"] if prefix and prefix["disk"] else 0)
+    yield from (hits, disk)
 
 
 def _kv_metrics(m: str, kv: dict | None) -> Iterator:

@@ -3,6 +3,7 @@ the ASGI app behind an httpx client, and reference decoding with plain mlx-lm.""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -22,6 +23,9 @@ from server.config import ServerConfig
 # As `tandem` does, before the first matrix product (MLX latches the variable then): the
 # exactness tests hold on GPUs whose float32 products would otherwise run in TF32.
 keep_float32_exact()
+# `tandem serve` processes the tests start keep no prefix cache on disk (it would be the
+# real ~/.cache, shared across tests); tests of the disk tier give it a tmp_path.
+os.environ["TANDEM_PREFIX_CACHE_DISK_GB"] = "0"
 
 SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 MODEL_NAME = "tiny"

@@ -65,6 +65,8 @@ EXPORTED_METRICS = frozenset(
         "tandem_kv_preemptions_total",
         "tandem_suffix_index",
         "tandem_suffix_evicted_sequences_total",
+        "tandem_prefix_cache_hits_total",
+        "tandem_prefix_cache_disk_bytes",
     }
 )
 HISTOGRAMS = frozenset(
@@ -96,6 +98,7 @@ GAUGES = frozenset(
         "tandem_spec_verify_cost_ratio",
         "tandem_spec_draft_step_cost_ratio",
         "tandem_suffix_index",
+        "tandem_prefix_cache_disk_bytes",
     }
 )
 METRIC_RE = re.compile(r"\b(vllm:[a-z0-9_:]+|tandem_[a-z0-9_]+)")

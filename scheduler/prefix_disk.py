@@ -1,0 +1,377 @@
+"""The prefix cache's disk tier: entries kept across restarts, bounded in bytes, LRU.
+
+Behind the in-memory prefix cache (scheduler/prefix_cache.py): what it stores is also
+written here (prompts of at least `MIN_TOKENS`; a shorter prefill costs less than the
+copy), and a prompt that extends an entry on disk further than any entry in memory is
+read back from here instead of prefilled. Files live in one directory (0700), one entry
+per file (0600, scheduler/prefix_files.py), named by hashes of the model's identity, the
+API-key scope and the tokens; one key's entries are never served to another.
+
+Threads: the engine thread copies an entry's arrays to host memory (`save`) and reads a
+file back at a hit (`best`, `load`: a disk read is far cheaper than the prefill). One
+writer thread does the rest: first the model's identity (hashing the weights, once per
+file thanks to a memo) and the index, rebuilt from the files' headers; then the writes,
+from a bounded queue (a full queue drops the write: the engine thread never waits), and
+the evictions. The index is shared by the two, under one lock.
+
+A file that cannot be read, fails its checksum or claims another model under this
+model's name is deleted and logged, never loaded. Files of other models (another server
+sharing the directory) are not served, but count toward the bound, oldest first out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engines.model.identity import model_identity, parameter_dtypes
+from engines.model.mtp import local_folder
+from scheduler.prefix_files import (
+    SUFFIX,
+    BadEntry,
+    Header,
+    Snapshot,
+    Unsupported,
+    decode,
+    encode,
+    file_name,
+    read_entry,
+    read_header,
+    scope_hash,
+    snapshot,
+)
+
+log = logging.getLogger(__name__)
+
+MIN_TOKENS = 256  # shorter prompts prefill faster than their entry is copied and read
+QUEUE_ENTRIES = 4  # writes waiting; more are dropped
+GB = 1 << 30
+
+
+@dataclass
+class DiskEntry:
+    path: Path
+    nbytes: int
+    used: float  # last use, as the file's mtime
+    header: Header | None  # None: another model's file (counted, never served)
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+
+@dataclass
+class Loaded:
+    tokens: list[int]
+    kind: str
+    target_layers: int
+    layers: list  # the target's, then the draft's when the draft is this server's
+
+
+class DiskTier:
+    def __init__(self, directory: Path, max_bytes: int, min_tokens: int = MIN_TOKENS) -> None:
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self.min_tokens = min_tokens
+        self.identity = ""
+        self.draft_identity = ""
+        self.writes = 0
+        self.write_drops = 0  # the queue was full
+        self.rejected = 0  # files deleted as corrupt, truncated or mislabelled
+        self._entries: dict[str, DiskEntry] = {}  # file name -> entry
+        self._pending: set[str] = set()  # queued, not yet written
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[Snapshot | None] = queue.Queue(QUEUE_ENTRIES)
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle --------------------------------------------------------------
+
+    def open(self, identify: Callable[[], tuple[str, str]]) -> None:
+        """Start the writer thread; until it has the identity and the index, the tier
+        neither serves nor writes (a first start may hash gigabytes of weights)."""
+        self._thread = threading.Thread(
+            target=self._work, args=(identify,), name="tandem-prefix-disk", daemon=True
+        )
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until the queued writes are on disk; False if they were not in time."""
+        deadline = time.monotonic() + timeout
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not self._pending
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish the queued writes (up to `timeout`) and stop the writer thread."""
+        if self._thread is None:
+            return
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            log.warning("prefix cache on disk: queued writes not finished at shutdown")
+            return
+        self._thread.join(timeout)
+
+    # ---- engine thread ------------------------------------------------------------
+
+    def best(self, tokens: list[int], scope: str, at_least: int) -> tuple[DiskEntry, int] | None:
+        """The entry of `scope` that serves the most of `tokens` (as the in-memory
+        lookup would: a prefix of them, or a trimmable entry cut back to what it
+        shares, one token always left to feed), if that is more than `at_least`."""
+        if not self._ready.is_set() or len(tokens) < 2:
+            return None
+        wanted, prompt = scope_hash(scope), np.asarray(tokens, dtype=np.int32)
+        best: tuple[DiskEntry, int] | None = None
+        with self._lock:
+            candidates = [
+                e for e in self._entries.values() if e.header and e.header.scope == wanted
+            ]
+        for entry in candidates:
+            served = _served(entry.tokens, prompt, entry.header.trimmable)
+            if served > at_least and (best is None or served > best[1]):
+                best = (entry, served)
+        return best
+
+    def load(self, entry: DiskEntry) -> Loaded | None:
+        """The entry's caches, read and checked; a bad file is deleted and logged."""
+        try:
+            header, spec, tensors = read_entry(entry.path)
+            if header.identity != self.identity or header.scope != entry.header.scope:
+                raise BadEntry("made for another model or key than its name says")
+            layers = decode(spec, tensors)
+        except FileNotFoundError:  # evicted meanwhile
+            self._forget(entry.path.name)
+            return None
+        except (BadEntry, KeyError, ValueError) as error:
+            self._reject(entry.path, error)
+            return None
+        if header.draft_identity != self.draft_identity:
+            layers = layers[: header.target_layers]  # not this server's draft model
+        now = time.time()
+        entry.used = now
+        try:
+            os.utime(entry.path, (now, now))
+        except OSError:
+            pass
+        return Loaded(header.tokens, header.kind, header.target_layers, layers)
+
+    def save(self, tokens: list[int], layers: list, scope: str, kind: str, target: int) -> None:
+        """Queue `layers` (holding exactly `tokens`) to be written, unless it is short,
+        already on disk or queued; copies the arrays to host memory now."""
+        if not self._ready.is_set() or len(tokens) < self.min_tokens:
+            return
+        name = file_name(self.identity, scope_hash(scope), tokens)
+        with self._lock:
+            known = self._entries.get(name)
+            if name in self._pending or (
+                known is not None and known.header and known.header.tokens == list(tokens)
+            ):
+                return
+        try:
+            entry = snapshot(tokens, layers, scope, kind, target)
+        except Unsupported as error:
+            log.debug("prefix cache on disk: not written: %s", error)
+            return
+        if entry.nbytes > self.max_bytes:
+            return
+        with self._lock:
+            try:
+                self._queue.put_nowait(entry)
+            except queue.Full:
+                self.write_drops += 1
+                return
+            self._pending.add(name)
+
+    # ---- writer thread --------------------------------------------------------------
+
+    def _work(self, identify: Callable[[], tuple[str, str]]) -> None:
+        try:
+            self.identity, self.draft_identity = identify()
+            self._scan()
+        except Exception:  # noqa: BLE001 - the tier is an optimisation: serve without it
+            log.exception("prefix cache on disk: off (could not open %s)", self.directory)
+            return
+        self._ready.set()
+        while (entry := self._queue.get()) is not None:
+            name = file_name(self.identity, entry.scope, entry.tokens)
+            try:
+                self._write(name, entry)
+            except OSError as error:
+                log.warning("prefix cache on disk: could not write %s: %s", name, error)
+            finally:
+                with self._lock:
+                    self._pending.discard(name)
+
+    def _scan(self) -> None:
+        """The index, from the files' headers; leftovers of interrupted writes go."""
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.directory, 0o700)
+        mine, others = self.identity[:16], 0
+        for path in self.directory.iterdir():
+            if path.name.endswith(".tmp"):
+                path.unlink(missing_ok=True)
+                continue
+            if not path.name.endswith(SUFFIX) or not path.is_file():
+                continue
+            stat = path.stat()
+            header = None
+            if path.name.startswith(f"{mine}-"):
+                try:
+                    header = read_header(path)
+                    if header.identity != self.identity:
+                        raise BadEntry("made for another model than its name says")
+                except BadEntry as error:
+                    self._reject(path, error)
+                    continue
+            else:
+                others += 1
+            self._add(path, stat.st_size, stat.st_mtime, header)
+        log.info(
+            "prefix cache on disk: %s, %d entries of this model, %d of others, %.2f of %.2f GB",
+            self.directory,
+            len(self._entries) - others,
+            others,
+            self.nbytes / GB,
+            self.max_bytes / GB,
+        )
+        with self._lock:
+            self._evict()
+
+    def _write(self, name: str, entry: Snapshot) -> None:
+        data = encode(entry, self.identity, self.draft_identity)
+        if len(data) > self.max_bytes:
+            return
+        path = self.directory / name
+        partial = path.with_name(f"{name}.{os.getpid()}.tmp")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            os.replace(partial, path)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        header = Header(
+            self.identity,
+            self.draft_identity,
+            entry.scope,
+            entry.kind,
+            entry.tokens,
+            entry.target_layers,
+            entry.trimmable,
+        )
+        self.writes += 1
+        with self._lock:
+            self._add(path, len(data), time.time(), header)
+            if entry.trimmable:
+                self._drop_prefixes_of(name)
+            self._evict()
+
+    # ---- index (under the lock, except at scan) --------------------------------------
+
+    def _add(self, path: Path, nbytes: int, used: float, header: Header | None) -> None:
+        tokens = np.asarray(header.tokens if header else [], dtype=np.int32)
+        self._entries[path.name] = DiskEntry(path, nbytes, used, header, tokens)
+
+    def _drop_prefixes_of(self, name: str) -> None:
+        """A trimmable entry serves every prefix of its tokens: shorter trimmable
+        entries of the same scope that it extends only take room (as in memory)."""
+        new = self._entries[name]
+        for other_name, other in list(self._entries.items()):
+            h = other.header
+            if other_name == name or h is None or h.scope != new.header.scope:
+                continue
+            n = len(other.tokens)
+            if h.trimmable and n < len(new.tokens) and np.array_equal(new.tokens[:n], other.tokens):
+                self._delete(other_name)
+
+    def _evict(self) -> None:
+        while self.nbytes > self.max_bytes and self._entries:
+            self._delete(min(self._entries, key=lambda n: self._entries[n].used))
+
+    def _delete(self, name: str) -> None:
+        entry = self._entries.pop(name)
+        entry.path.unlink(missing_ok=True)
+
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            self._entries.pop(name, None)
+
+    def _reject(self, path: Path, error: Exception) -> None:
+        log.warning("prefix cache on disk: dropped %s: %s", path.name, error)
+        self.rejected += 1
+        with self._lock:
+            self._entries.pop(path.name, None)
+        path.unlink(missing_ok=True)
+
+    # ---- any thread ---------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in list(self._entries.values()))
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "directory": str(self.directory),
+            "ready": self._ready.is_set(),
+            "bytes": self.nbytes,
+            "max_bytes": self.max_bytes,
+            "files": len(self._entries),
+            "writes": self.writes,
+            "write_drops": self.write_drops,
+            "rejected_files": self.rejected,
+        }
+
+
+def _served(entry: np.ndarray, prompt: np.ndarray, trimmable: bool) -> int:
+    """Prompt tokens an entry holding `entry` serves (0: none), one always left to feed."""
+    n, length = len(entry), len(prompt)
+    shared = min(n, length)
+    mismatch = np.flatnonzero(entry[:shared] != prompt[:shared])
+    common = int(mismatch[0]) if mismatch.size else shared
+    if common == n and n < length:
+        return n
+    return min(common, length - 1) if trimmable else 0
+
+
+def default_directory() -> Path:
+    """`$XDG_CACHE_HOME/tandem/prefix`, else `~/.cache/tandem/prefix`."""
+    from engines.model.cache_paths import tandem_cache_root
+
+    return tandem_cache_root() / "prefix"
+
+
+def disk_tier(directory: str | None, max_bytes: int, distributed: str | None) -> DiskTier | None:
+    """The tier the settings ask for; none when off (0 bytes) or sharded across ranks
+    (each rank holds only its shard of the caches)."""
+    if max_bytes <= 0 or distributed:
+        return None
+    return DiskTier(Path(directory).expanduser() if directory else default_directory(), max_bytes)
+
+
+def identities(registry: Any, draft_vocab: int | None, memo_dir: Path) -> Callable:
+    """The target's and the draft model's identities, for the writer thread to compute
+    (the dtypes are read here, on the engine thread)."""
+    target = registry.target
+    target_dtypes = parameter_dtypes(target.model)
+    draft = registry.draft
+    draft_dtypes = parameter_dtypes(draft.model) if draft is not None else ""
+
+    def identify() -> tuple[str, str]:
+        target_id = model_identity(local_folder(target.folder), target_dtypes, memo_dir)
+        if draft is None:
+            return target_id, ""
+        extra = f"draft of {target_id}, vocabulary {draft_vocab}"
+        return target_id, model_identity(local_folder(draft.folder), draft_dtypes, memo_dir, extra)
+
+    return identify

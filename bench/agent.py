@@ -83,6 +83,7 @@ class Settings:
     peer: str
     peer_api: str  # "chat" | "completions"
     reference_turns: int
+    reference_levels: tuple[int, ...]  # levels whose first copies get a reference (all: ())
     max_duration_s: float
     tandem_flags: tuple[str, ...]
     output: Path | None
@@ -151,6 +152,12 @@ def parse_args(argv: list[str]) -> Settings:
         default=1,
         help="compare this many turns of each level's first copy with plain mlx-lm decoding",
     )
+    parser.add_argument(
+        "--reference-levels",
+        default="",
+        help="only these concurrency levels' first copies get the plain reference (default: all;"
+        " each is a cold prefill in this process)",
+    )
     parser.add_argument("--max-duration", type=float, default=7200.0, help="seconds in all")
     parser.add_argument(
         "--tandem-flag", action="append", default=[], help="extra `tandem serve` flag (repeat)"
@@ -186,6 +193,7 @@ def parse_args(argv: list[str]) -> Settings:
         peer=args.peer,
         peer_api=args.peer_api,
         reference_turns=reference,
+        reference_levels=tuple(int(c) for c in args.reference_levels.split(",") if c),
         max_duration_s=args.max_duration,
         tandem_flags=tuple(args.tandem_flag),
         output=args.output,
@@ -362,6 +370,8 @@ def references(
     for turns in copies:
         firsts.setdefault((turns[0].level, base_name(turns[0].copy)), turns)
     for turns in firsts.values():
+        if settings.reference_levels and turns[0].level not in settings.reference_levels:
+            continue
         for turn in turns[: settings.reference_turns]:
             out = plain_greedy(model, tokenizer, turn.ids, settings.max_tokens)
             text = tokenizer.decode(out)
@@ -402,6 +412,7 @@ def main(argv: list[str]) -> None:
             "max_tokens": settings.max_tokens,
             "greedy": True,
             "reference_turns": settings.reference_turns,
+            "reference_levels": list(settings.reference_levels) or "all",
             "tandem_sent": "the client's request on its own API; " + REPLAY_CHANGES,
             "peer_sent": PEER_SENT[settings.peer_api],
         },

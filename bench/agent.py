@@ -34,6 +34,7 @@ import asyncio
 import datetime
 import json
 import platform
+import signal
 import sys
 import tempfile
 import time
@@ -382,6 +383,8 @@ def references(
 
 
 def main(argv: list[str]) -> None:
+    # SIGTERM (`timeout`, a CI's cancel) unwinds like Ctrl-C, so the servers are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     settings = parse_args(argv)
     budget = Budget(time.monotonic() + settings.max_duration_s)
     sessions = find_sessions(list(settings.sessions))

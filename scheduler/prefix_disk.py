@@ -84,6 +84,8 @@ class DiskTier:
         self.writes = 0
         self.write_drops = 0  # the queue was full
         self.rejected = 0  # files deleted as corrupt, truncated or mislabelled
+        self.copy_seconds = 0.0  # engine thread: entries copied to host memory
+        self.load_seconds = 0.0  # engine thread: files read, checked and decoded
         self._entries: dict[str, DiskEntry] = {}  # file name -> entry
         self._pending: set[str] = set()  # queued, not yet written
         self._lock = threading.Lock()
@@ -127,7 +129,8 @@ class DiskTier:
     def best(self, tokens: list[int], scope: str, at_least: int) -> tuple[DiskEntry, int] | None:
         """The entry of `scope` that serves the most of `tokens` (as the in-memory
         lookup would: a prefix of them, or a trimmable entry cut back to what it
-        shares, one token always left to feed), if that is more than `at_least`."""
+        shares, one token always left to feed), if that is clearly more than
+        `at_least` (what memory serves): a few shared tokens are not worth a file."""
         if not self._ready.is_set() or len(tokens) < 2:
             return None
         wanted, prompt = scope_hash(scope), np.asarray(tokens, dtype=np.int32)
@@ -136,6 +139,7 @@ class DiskTier:
             candidates = [
                 e for e in self._entries.values() if e.header and e.header.scope == wanted
             ]
+        at_least += self.min_tokens // 4  # a whole file read back serves this many more
         for entry in candidates:
             served = _served(entry.tokens, prompt, entry.header.trimmable)
             if served > at_least and (best is None or served > best[1]):
@@ -144,6 +148,7 @@ class DiskTier:
 
     def load(self, entry: DiskEntry) -> Loaded | None:
         """The entry's caches, read and checked; a bad file is deleted and logged."""
+        started = time.perf_counter()
         try:
             header, spec, tensors = read_entry(entry.path)
             if header.identity != self.identity or header.scope != entry.header.scope:
@@ -157,6 +162,7 @@ class DiskTier:
             return None
         if header.draft_identity != self.draft_identity:
             layers = layers[: header.target_layers]  # not this server's draft model
+        self.load_seconds += time.perf_counter() - started
         now = time.time()
         entry.used = now
         try:
@@ -177,11 +183,14 @@ class DiskTier:
                 known is not None and known.header and known.header.tokens == list(tokens)
             ):
                 return
+        started = time.perf_counter()
         try:
             entry = snapshot(tokens, layers, scope, kind, target)
         except Unsupported as error:
             log.debug("prefix cache on disk: not written: %s", error)
             return
+        finally:
+            self.copy_seconds += time.perf_counter() - started
         if entry.nbytes > self.max_bytes:
             return
         with self._lock:
@@ -221,9 +230,12 @@ class DiskTier:
             if path.name.endswith(".tmp"):
                 path.unlink(missing_ok=True)
                 continue
-            if not path.name.endswith(SUFFIX) or not path.is_file():
+            if not path.name.endswith(SUFFIX):
                 continue
-            stat = path.stat()
+            try:
+                stat = path.stat()
+            except OSError:  # removed meanwhile (another server sharing the directory)
+                continue
             header = None
             if path.name.startswith(f"{mine}-"):
                 try:
@@ -330,6 +342,8 @@ class DiskTier:
             "writes": self.writes,
             "write_drops": self.write_drops,
             "rejected_files": self.rejected,
+            "copy_seconds": round(self.copy_seconds, 6),
+            "load_seconds": round(self.load_seconds, 6),
         }
 
 

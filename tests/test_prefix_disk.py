@@ -23,7 +23,7 @@ from engines.request import GenerationRequest, SamplingParams
 from scheduler.prefix_cache import PrefixCache
 from scheduler.prefix_disk import MIN_TOKENS, DiskTier
 from scheduler.prefix_files import SUFFIX
-from tests.conftest import Reference, start_scheduler
+from tests.conftest import Reference, make_client, start_scheduler
 from tests.tiny_archs import build_tiny_arch
 
 STORY = "Once upon a time there was a little robot who liked to read about the sea. "
@@ -90,14 +90,21 @@ async def test_a_restart_serves_an_extended_prompt_from_disk(tiny_model_dir, ref
     try:
         other, other_cached = await run(scheduler, extended, scope="key-b")
         tokens, cached = await run(scheduler, extended)
-        stats = scheduler._prefix.stats()
+        async with make_client(scheduler) as client:
+            stats = (await client.get("/v1/stats")).json()["prefix_cache"]
+            exposition = (await client.get("/metrics")).text
     finally:
         scheduler.stop()
     expected = reference.greedy_tokens(extended, 8)
     assert other_cached == 0, "another key's entry was served"
     assert cached >= len(ids), "the restart prefilled what was on disk"
     assert tokens == expected and other == expected
-    assert stats["hits"]["disk"] == 1 and stats["disk"]["bytes"] > 0
+    assert stats["hits"] == {"ram": 0, "disk": 1} and stats["disk"]["files"] >= 1
+    assert 'tandem_prefix_cache_hits_total{model_name="tiny",tier="disk"} 1.0' in exposition
+    disk_bytes = (
+        f'tandem_prefix_cache_disk_bytes{{model_name="tiny"}} {float(stats["disk"]["bytes"])}'
+    )
+    assert stats["disk"]["bytes"] > 0 and disk_bytes in exposition
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated payload", "truncated header"])

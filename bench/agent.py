@@ -35,6 +35,7 @@ import datetime
 import json
 import platform
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,7 +57,7 @@ from bench.agent_sessions import (
 )
 from bench.blas_probe import server_blas
 from bench.peer import PeerConfig, running_peer, shown_command
-from bench.single_stream import free_port, start_process, stop_server
+from bench.single_stream import free_port, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVED = "bench"
@@ -329,7 +330,7 @@ def run_tandem(settings: Settings, copies: list[list[Planned]], budget: Budget) 
     command = [tandem, "serve", settings.model, "--host", "127.0.0.1", "--port", str(port)]
     command += ["--served-model-name", SERVED, "--log-level", "warning", *settings.tandem_flags]
     log = Path(tempfile.gettempdir()) / f"tandem-bench-agent-{port}.log"
-    proc = start_process(command, port, log=log)
+    proc = start_tandem(command, port, log)
     shown = ["tandem", "serve", settings.model, *settings.tandem_flags]
     side = SideRun("tandem", shown)
     try:
@@ -340,6 +341,23 @@ def run_tandem(settings: Settings, copies: list[list[Planned]], budget: Budget) 
     finally:
         stop_server(proc)
     return side
+
+
+def start_tandem(command: list[str], port: int, log: Path, timeout_s: float = 900.0):
+    """`tandem serve` started and healthy. Not `start_process`'s 300 s: a 0.5B float32
+    model took 190 s to load and measure its costs on this loaded 2-core box."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    stop_server(proc)
+    raise SystemExit(f"tandem serve did not become healthy in {timeout_s:.0f}s; see {log}")
 
 
 def run_peer(settings: Settings, copies: list[list[Planned]], budget: Budget) -> SideRun:

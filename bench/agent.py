@@ -293,6 +293,7 @@ async def run_copy(
         result, got = await stream_turn(client, url, surface, body, headers, budget.left())
         side.turns[key] = result
         side.answers[key] = streamed_answer(got)
+        print(f"  {side.name} {turn.copy} t{turn.turn + 1}: {progress(result)}", file=sys.stderr)
         result.raw_text = "".join(got.content)
     side.session_wall[(turns[0].level, turns[0].copy)] = time.perf_counter() - started
 
@@ -308,6 +309,16 @@ async def run_levels(base: str, side: SideRun, copies: list[list[Planned]], budg
                 await asyncio.gather(*(run_copy(client, base, side, c, budget) for c in group))
                 side.level_wall[level] += time.perf_counter() - started
             print(f"  {side.name} c={level}: {side.level_wall[level]:.1f}s", file=sys.stderr)
+
+
+def progress(result: TurnResult) -> str:
+    """One finished turn, for a long run's log (stderr)."""
+    if result.error:
+        return f"ERROR {result.error}"
+    return (
+        f"prompt {result.prompt_tokens} cached {result.cached_tokens} out "
+        f"{result.output_tokens} ttft {result.ttft_s or 0:.2f}s e2e {result.e2e_s:.2f}s"
+    )
 
 
 def base_name(copy: str) -> str:

@@ -134,10 +134,10 @@ def run_tandem(
     )
     started = time.perf_counter() if e2e else None
     seq = make_sequence(request, engine.registry.tokenizer)
-    engine.add(seq)
+    engine.admit(seq)
     stamps = []
     while engine.active is not None:
-        for output in engine.step():
+        for output in engine.step().outputs:
             stamps.extend([time.perf_counter()] * len(output.token_ids))
     return rate_of(stamps, len(seq.generated), started), seq.generated, seq.spec
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from itertools import islice
 from typing import TYPE_CHECKING
 
@@ -127,7 +128,7 @@ class Admitting:
     def _resume(self, tracked: TrackedRequest, engine) -> None:
         """A paused request goes back into the engine where it stopped."""
         state, tracked.parked, tracked.paused_at = tracked.parked, None, None
-        if not self._admitted(tracked, engine, state):
+        if not self._admitted(tracked, engine.take_over, state):
             return
         self.requests.running[tracked.request.request_id] = tracked
         self._note_mode(tracked)
@@ -164,13 +165,16 @@ class Admitting:
             self._finish(tracked, FinishReason.LENGTH)
             return
         state = SequenceState(tracked.seq, scorer.cache, scorer.cached)
-        if self._admitted(tracked, engine, state):
+        if self._admitted(tracked, engine.admit, state):
             self._note_mode(tracked)
 
-    def _admitted(self, tracked: TrackedRequest, engine, state: SequenceState) -> bool:
-        """Put a request's sequence into `engine`; if that raises, it alone fails."""
+    def _admitted(
+        self, tracked: TrackedRequest, join: Callable[[SequenceState], None], state: SequenceState
+    ) -> bool:
+        """Put a request's sequence into an engine (`join`: its `admit` or `take_over`);
+        if that raises, it alone fails."""
         try:
-            engine.admit(state)
+            join(state)
         except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
             log.exception("request %s could not join the engine", tracked.request.request_id)
             self.requests.running.pop(tracked.request.request_id, None)
@@ -186,9 +190,9 @@ class Admitting:
 
         def take_over(state: SequenceState) -> bool:
             tracked = self.requests.running[state.seq.request_id]
-            return self._admitted(tracked, self.engines.batched, state)
+            return self._admitted(tracked, self.engines.batched.take_over, state)
 
-        migrated = self.engines.switch(target, self._publish, take_over)
+        migrated = self.engines.switch(target, self._absorb, take_over)
         for tracked in self.requests.running.values():
             self._note_mode(tracked)
         seconds = time.perf_counter() - started

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from engines.batched.engine import BatchedSpeculativeEngine
 from engines.batched.fallback import BatchedEngine
 from engines.drafting.draft_vocab import vocabulary_of
+from engines.interface import StepResult
 from engines.model.registry import ModelRegistry
-from engines.sequence import StepOutput
 from engines.single.engine import SpeculativeEngine
 from engines.state import SequenceState
 from scheduler.config import SchedulerConfig
@@ -62,11 +62,11 @@ class EnginePair:
     def switch(
         self,
         target: Mode,
-        publish: Callable[[StepOutput], None],
+        absorb: Callable[[StepResult], None],
         take_over: Callable[[SequenceState], bool],
     ) -> int:
         """Hand the model to the other engine, carrying in-flight requests with their
-        KV caches; `publish` gets what settling a step in flight commits, `take_over`
+        KV caches; `absorb` gets what settling a step in flight produced, `take_over`
         puts a request into the batched engine (False when it failed there). Between
         steps on the engine thread: no forward is in progress. Returns how many
         requests migrated."""
@@ -75,22 +75,23 @@ class EnginePair:
             if self.batched is None:
                 self.batched = self._make_batched()
                 log.info("started the batched engine (first time two requests are active)")
-            if self.spec.active is not None:
-                state, outputs = self.spec.export()
-                for output in outputs:
-                    publish(output)
-                if not state.seq.finished:
+            for request_id in self.spec.active_ids:
+                state, result = self.spec.hand_over(request_id)
+                absorb(result)
+                if state is not None:
                     self.registry.transfer(BatchedEngine.name)
                     migrated = int(take_over(state))
             self.registry.transfer(BatchedEngine.name)
         else:
-            for output in self.batched.settle() if self.batched else []:
-                publish(output)  # a plain step in flight commits before rows leave
+            if self.batched is not None:
+                absorb(self.batched.settle())  # a plain step in flight commits first
             remaining = self.batched.active_ids if self.batched else []
             assert len(remaining) <= 1, "only a single request migrates back"
             self.registry.transfer(SpeculativeEngine.name)
             for request_id in remaining:
-                self.spec.resume(self.batched.extract(request_id))
+                state, result = self.batched.hand_over(request_id)
+                absorb(result)
+                self.spec.take_over(state)
                 migrated += 1
         self.mode = target
         return migrated

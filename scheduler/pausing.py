@@ -13,7 +13,6 @@ import time
 from typing import TYPE_CHECKING
 
 from engines.sequence import FinishReason
-from scheduler.policy import Mode
 from scheduler.tracking import TrackedRequest
 
 if TYPE_CHECKING:
@@ -61,13 +60,8 @@ class Pausing:
         if tracked is None:
             return  # finished: an earlier pause's settle committed its last token
         request_id = tracked.request.request_id
-        if self.engines.mode == Mode.SPECULATIVE:
-            state, outputs = engine.export()
-        else:  # a plain step in flight is committed first (`settle`)
-            outputs = engine.settle()
-            state = engine.extract(request_id) if request_id in engine.active_ids else None
-        for output in outputs:
-            self._publish(output)
+        state, result = engine.hand_over(request_id)  # a step in flight commits first
+        self._absorb(result)
         if request_id not in self.requests.running:
             return  # its last token, committed on the way out, finished it
         tracked.parked = state

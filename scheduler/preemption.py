@@ -87,15 +87,15 @@ class Preemption:
         running = self.requests.running
         if self.engines.mode != Mode.BATCHED or not self.rows_roll_back or len(running) < 2:
             return False
-        for output in engine.settle():  # a plain step in flight commits first
-            self._publish(output)
+        self._absorb(engine.settle())  # a plain step in flight commits first
         active = set(engine.active_ids)
         candidates = [t for rid, t in running.items() if rid in active]
         if len(candidates) < 2:
             return False
         tracked = max(candidates, key=lambda t: t.arrived)
         request_id = tracked.request.request_id
-        state = engine.extract(request_id)
+        state, result = engine.hand_over(request_id)
+        self._absorb(result)  # nothing in flight: settled above
         fresh = make_prompt_cache(self.registry.target.model)  # resumes by a prefill
         tracked.parked = SequenceState(state.seq, fresh, 0, state.gates, state.pld)
         self.requests.requeue(tracked)

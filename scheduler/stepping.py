@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from engines.batched.engine import BatchedSpeculativeEngine
+from engines.interface import StepResult
 from engines.sequence import FinishReason, StepOutput
 from scheduler.observer import log_request
 from scheduler.policy import Mode
@@ -54,7 +55,7 @@ class Stepping:
         batch_size = len(running)
         started = time.perf_counter()
         try:
-            outputs = engine.step()
+            result = engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the requests in this step, keep serving
             if self.registry.lockstep is not None:
                 # Across ranks a failed step is most likely a lost rank, and any further
@@ -66,25 +67,30 @@ class Stepping:
                 self._finish(running.pop(request_id), FinishReason.ERROR, error=str(exc))
             self._last_step = None
             return
-        self._measure((self.mode, batch_size), sum(len(o.token_ids) for o in outputs))
+        tokens = sum(len(o.token_ids) for o in result.outputs)
+        self._measure((self.mode, batch_size), tokens)
         if self.mode == Mode.BATCHED:
             self.counters.record_batch(batch_size)
             self.observer.on_batch_step(batch_size)
-        for output in outputs:
-            self._publish(output)
-        self._reuse.keep(engine.released, engine.checkpoints)
-        engine.released.clear()
-        engine.checkpoints.clear()
+        self._absorb(result)
         if isinstance(engine, BatchedSpeculativeEngine):
-            self._observe_batched_step(engine, time.perf_counter() - started)
+            self._observe_batched_step(result, time.perf_counter() - started)
 
-    def _observe_batched_step(self, engine: BatchedSpeculativeEngine, seconds: float) -> None:
+    def _absorb(self, result: StepResult) -> None:
+        """What an engine call produced: its outputs published, finished requests'
+        caches and prompt checkpoints kept for prefix reuse."""
+        for output in result.outputs:
+            self._publish(output)
+        self._reuse.keep(result.released, result.checkpoints)
+
+    def _observe_batched_step(self, result: StepResult, seconds: float) -> None:
         """Drafted tokens per row (speculation under load) and the step's split between
         model forwards and everything else on the engine thread."""
-        if engine.step_sizes:
-            drafted = [count for _, count in engine.step_sizes]
+        if result.step_sizes:
+            drafted = [count for _, count in result.step_sizes]
             self.observer.on_speculation_step(len(drafted), drafted)
-        self.observer.on_step_time(engine.forward_seconds, seconds - engine.forward_seconds)
+        model_s = result.forward_seconds
+        self.observer.on_step_time(model_s, seconds - model_s)
 
     def _measure(self, shape: tuple[Mode, int], tokens: int) -> None:
         """A decode-rate sample: wall time since the previous step of the same shape."""

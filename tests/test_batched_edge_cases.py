@@ -307,25 +307,26 @@ def drive(engine, tokenizer, specs, cancels, pauses):
             _, _, request = pending.pop(0)
             seqs[request.request_id] = make_sequence(request, tokenizer)
             outputs[request.request_id] = []
-            engine.add(seqs[request.request_id])
+            engine.admit(seqs[request.request_id])
         for rid in cancels.get(step, []):
             if rid in engine.active_ids:
                 assert engine.cancel(rid)
         for rid, back in pauses.get(step, []):
             if rid in engine.active_ids:
-                for output in engine.settle():
+                state, result = engine.hand_over(rid)  # a step in flight commits first
+                for output in result.outputs:
                     outputs[output.request_id].append(output)
-                if rid in engine.active_ids:
-                    parked[rid] = engine.extract(rid)
+                if state is not None:
+                    parked[rid] = state
                     resumes.setdefault(max(back, step + 1), []).append(rid)
         for rid in resumes.pop(step, []):
-            engine.insert(parked.pop(rid))
-        for output in engine.step():
+            engine.take_over(parked.pop(rid))
+        for output in engine.step().outputs:
             outputs[output.request_id].append(output)
         step += 1
         if not engine.batch_size and not pending and parked:
             for rid in list(parked):
-                engine.insert(parked.pop(rid))
+                engine.take_over(parked.pop(rid))
             resumes.clear()
         assert step < 3000
     return seqs, outputs
@@ -336,10 +337,10 @@ def solo_plain(engine, tokenizer, request):
 
     request = replace(request, speculation=SpeculationOverrides(num_draft_tokens=0))
     seq = make_sequence(request, tokenizer)
-    engine.add(seq)
+    engine.admit(seq)
     texts = []
     while engine.batch_size:
-        texts += [o.text for o in engine.step()]
+        texts += [o.text for o in engine.step().outputs]
     return seq, "".join(texts)
 
 
@@ -414,12 +415,12 @@ def test_caches_released_mid_run_continue_exactly_from_the_prefix_cache(self_eng
         greedy_request("len", encode(reference, PROMPTS[2]), 43),
         greedy_request("other", encode(reference, PROMPTS[3]), 30),
     ]
-    seqs, _, drafted = run_batch(engine, requests)
+    results = []
+    seqs, _, drafted = run_batch(engine, requests, results=results)
     assert drafted > 0
     assert seqs["stop"].matched_stop == stop
     assert seqs["eos"].finish_reason == FinishReason.STOP
-    released = {state.seq.request_id: state for state in engine.released}
-    engine.released.clear()
+    released = {state.seq.request_id: state for r in results for state in r.released}
     for state in released.values():
         tokens = state.seq.all_tokens
         assert state.cached <= len(tokens)
@@ -431,7 +432,7 @@ def test_caches_released_mid_run_continue_exactly_from_the_prefix_cache(self_eng
         hit = prefix.lookup(tokens)
         assert hit is not None and hit.cached > len(seqs[rid].request.prompt_tokens), rid
         seq = make_sequence(greedy_request(f"{rid}2", tokens, 25), tokenizer)
-        engine.insert(SequenceState(seq, hit.cache, hit.cached, draft=hit.draft))
+        engine.admit(SequenceState(seq, hit.cache, hit.cached, draft=hit.draft))
         follow_ups.append((seq, tokens))
     while engine.batch_size:
         engine.step()

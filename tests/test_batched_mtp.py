@@ -150,7 +150,7 @@ def test_seeded_head_rows_give_their_solo_seeded_tokens_in_a_batch(engines, refe
     for i, prompt in enumerate(prompts):
         plain = request(f"s{i}", prompt, 50, sampling, SpeculationOverrides(num_draft_tokens=0))
         seq = make_sequence(plain, registry.tokenizer)
-        spec.add(seq)
+        spec.admit(seq)
         while spec.active is not None:
             spec.step()
         solo[f"s{i}"] = seq.generated

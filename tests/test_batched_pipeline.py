@@ -34,24 +34,28 @@ def plain_engines(model_dir, **config):
     return spec, batched
 
 
-def drive(engine, requests, before_step=None, eos=None):
+def drive(engine, requests, before_step=None, eos=None, on_result=None):
     """Step until every sequence finished; `before_step(step, seqs)` may act between
-    steps (cancel, settle and extract, insert); `eos[request_id]` replaces a request's
-    end-of-sequence tokens. Returns (seqs, published tokens per request, steps that
-    left a plain step in flight)."""
+    steps (cancel, settle and hand over, take over); `eos[request_id]` replaces a
+    request's end-of-sequence tokens; `on_result` sees each step's `StepResult`.
+    Returns (seqs, published tokens per request, steps that left a plain step in
+    flight)."""
     tokenizer = engine.registry.tokenizer
     seqs = {r.request_id: make_sequence(r, tokenizer) for r in requests}
     for request_id, tokens in (eos or {}).items():
         seqs[request_id].eos_token_ids = frozenset(tokens)
     for seq in seqs.values():
-        engine.add(seq)
+        engine.admit(seq)
     published = {rid: [] for rid in seqs}
     pipelined = step = 0
-    while engine.batch_size or engine.settled:
+    while engine.batch_size:
         if before_step is not None:
             for output in before_step(step, seqs) or []:
                 published.setdefault(output.request_id, []).extend(output.token_ids)
-        for output in engine.step():
+        result = engine.step()
+        if on_result is not None:
+            on_result(result)
+        for output in result.outputs:
             published.setdefault(output.request_id, []).extend(output.token_ids)
         pipelined += engine.in_flight is not None
         step += 1
@@ -92,7 +96,10 @@ def test_rows_finishing_mid_pipeline_leave_caches_of_exactly_their_tokens(
         GenerationRequest("eos", tuple(prompt), 40, GREEDY_),  # its EOS: solo[14]
         greedy_request("long", tokenizer.encode(PROMPTS[2]), 30),
     ]
-    seqs, published, pipelined = drive(engine, requests, eos={"eos": [solo[14]]})
+    released = []
+    seqs, published, pipelined = drive(
+        engine, requests, eos={"eos": [solo[14]]}, on_result=lambda r: released.extend(r.released)
+    )
     assert seqs["eos"].finish_reason == FinishReason.STOP
     assert seqs["eos"].generated == solo[: solo.index(solo[14]) + 1] == published["eos"]
     assert seqs["stop"].finish_reason == FinishReason.STOP and seqs["stop"].matched_stop
@@ -100,14 +107,14 @@ def test_rows_finishing_mid_pipeline_leave_caches_of_exactly_their_tokens(
     assert seqs["length"].generated == solo[:9]
     assert seqs["long"].generated == reference.greedy_tokens(tokenizer.encode(PROMPTS[2]), 30)
     assert pipelined > 5
-    for state in engine.released:
+    assert {state.seq.request_id for state in released} == set(seqs)
+    for state in released:
         tokens = state.seq.all_tokens
         assert state.cached <= len(tokens)
         assert all(layer.offset == state.cached for layer in state.cache)
         fresh = make_prompt_cache(reference.model)
         reference.model(mx.array(tokens[: state.cached])[None], cache=fresh)
         assert mx.allclose(state.cache[0].keys, fresh[0].keys[..., : state.cached, :], atol=1e-4)
-    engine.released.clear()
 
 
 def test_a_row_cancelled_mid_pipeline_leaves_the_others_exact(tiny_model_dir, reference):
@@ -139,18 +146,19 @@ def test_a_row_leaving_mid_pipeline_settles_and_continues_exactly_alone(tiny_mod
         if step != 10:
             return []
         assert engine.in_flight is not None
-        outputs = engine.settle()
+        outputs = engine.settle().outputs
         assert engine.in_flight is None and {o.request_id for o in outputs} == {"stay", "go"}
-        left["state"] = engine.extract("go")
+        left["state"], result = engine.hand_over("go")
+        assert not result.outputs, "settled already: nothing more to commit"
         return outputs
 
     seqs, published, _ = drive(engine, requests, leave)
     state = left["state"]
     assert state.cached == len(state.seq.all_tokens) - 1
     engine.registry.transfer(spec.name)
-    spec.resume(state)
+    spec.take_over(state)
     while spec.active is not None:
-        for output in spec.step():
+        for output in spec.step().outputs:
             published["go"].extend(output.token_ids)
     engine.registry.transfer(engine.name)
     assert seqs["go"].generated == reference.greedy_tokens(prompts[1], 45) == published["go"]
@@ -165,19 +173,19 @@ def test_a_row_joining_mid_pipeline_settles_the_batch_first(tiny_model_dir, refe
     tokenizer = reference.tokenizer
     joiner = make_sequence(greedy_request("join", prompts[1], 30), tokenizer)
     engine.registry.transfer(spec.name)
-    spec.add(joiner)
+    spec.admit(joiner)
     early = []
     while len(joiner.generated) < 6:
-        early += [t for o in spec.step() for t in o.token_ids]
-    state, outputs = spec.export()
-    early += [t for o in outputs for t in o.token_ids]
+        early += [t for o in spec.step().outputs for t in o.token_ids]
+    state, result = spec.hand_over("join")
+    early += [t for o in result.outputs for t in o.token_ids]
     engine.registry.transfer(engine.name)
 
     def join(step, seqs):
         if step == 8:
             assert engine.in_flight is not None
-            engine.insert(state)
-            assert engine.in_flight is None and engine.settled
+            engine.take_over(state)
+            assert engine.in_flight is None, "the step in flight was committed first"
 
     seqs, published, pipelined = drive(engine, [greedy_request("run", prompts[0], 40)], join)
     assert seqs["run"].generated == reference.greedy_tokens(prompts[0], 40) == published["run"]
@@ -193,10 +201,10 @@ def test_logprobs_from_pipelined_steps_equal_unpipelined_ones(tiny_model_dir, re
     tokenizer = reference.tokenizer
     seqs = {r.request_id: make_sequence(r, tokenizer) for r in requests}
     for seq in seqs.values():
-        engine.add(seq)
+        engine.admit(seq)
     got, pipelined = [], 0
     while engine.batch_size:
-        got += [o.logprobs for o in engine.step() if o.request_id == "r0" and o.logprobs]
+        got += [o.logprobs for o in engine.step().outputs if o.request_id == "r0" and o.logprobs]
         pipelined += engine.in_flight is not None
     flat = [lp for chunk in got for lp in chunk]
     assert pipelined > 5 and len(flat) == 20
@@ -246,7 +254,7 @@ def test_sampled_pipelined_rows_match_plain_sampling_distribution(tiny_model_dir
     plain = []
     for i in range(trials):
         seq = make_sequence(request(i), reference.tokenizer)
-        spec.add(seq)
+        spec.admit(seq)
         while spec.active is not None:
             spec.step()
         plain.append(tuple(seq.generated[1:3]))
@@ -295,11 +303,11 @@ def test_a_plain_probe_among_drafting_steps_is_one_step_not_a_pipeline(tiny_mode
 
     engine._start_pipeline = spy_start_pipeline
 
-    def watch(step, seqs):
+    def watch(result):
         nonlocal plain_steps
-        plain_steps += bool(engine.step_sizes) and all(d == 0 for _, d in engine.step_sizes)
+        plain_steps += bool(result.step_sizes) and all(d == 0 for _, d in result.step_sizes)
 
-    seqs, _, _ = drive(engine, requests, watch)
+    seqs, _, _ = drive(engine, requests, on_result=watch)
     for i, p in enumerate(prompts):
         assert seqs[f"r{i}"].generated == reference.greedy_tokens(p, 60)
     assert plain_steps >= 3, "plain steps were measured"

@@ -69,18 +69,23 @@ def repetitive_bias(tokenizer, n_tokens: int = 3) -> tuple:
 
 
 def run_batch(
-    engine, requests, join_after: dict | None = None, cancel_at: dict | None = None, rngs=None
+    engine,
+    requests,
+    join_after: dict | None = None,
+    cancel_at: dict | None = None,
+    rngs=None,
+    results: list | None = None,
 ):
     """Step the engine until every sequence finished; `join_after[step]` lists requests
     added at that step, `cancel_at[step]` request ids cancelled before it; `rngs` gives
-    some requests a fixed RNG."""
+    some requests a fixed RNG; `results`, a list, collects each step's `StepResult`."""
     seqs = {}
     tokenizer = engine.registry.tokenizer
     for request in requests:
         seqs[request.request_id] = make_sequence(request, tokenizer)
         if rngs and request.request_id in rngs:
             seqs[request.request_id].rng = rngs[request.request_id]
-        engine.add(seqs[request.request_id])
+        engine.admit(seqs[request.request_id])
     outputs: dict[str, list] = {rid: [] for rid in seqs}
     drafted_in_batch = 0
     step = 0
@@ -88,12 +93,15 @@ def run_batch(
         for request in (join_after or {}).get(step, []):
             seqs[request.request_id] = make_sequence(request, tokenizer)
             outputs[request.request_id] = []
-            engine.add(seqs[request.request_id])
+            engine.admit(seqs[request.request_id])
         for request_id in (cancel_at or {}).get(step, []):
             assert engine.cancel(request_id)
-        for output in engine.step():
+        result = engine.step()
+        if results is not None:
+            results.append(result)
+        for output in result.outputs:
             outputs[output.request_id].append(output)
-        drafted_in_batch += sum(d for rows, d in engine.step_sizes if rows >= 2)
+        drafted_in_batch += sum(d for rows, d in result.step_sizes if rows >= 2)
         step += 1
         assert step < 5000
     return seqs, outputs, drafted_in_batch
@@ -301,7 +309,7 @@ def assert_seeded_rows_match_solo(spec, engine, reference, max_tokens: int = 40)
     solo = {}
     for i, prompt in enumerate(prompts):
         seq = make_sequence(seeded(f"s{i}", prompt, False), registry.tokenizer)
-        spec.add(seq)
+        spec.admit(seq)
         while spec.active is not None:
             spec.step()
         solo[f"s{i}"] = seq.generated
@@ -339,22 +347,22 @@ def round_trip_through_the_batch(spec, engine, reference):
     prompt = reference.tokenizer.encode(PROMPTS[0])
     seq = make_sequence(greedy_request("m", prompt, 90), registry.tokenizer)
     registry.transfer(spec.name)
-    spec.add(seq)
+    spec.admit(seq)
     while len(seq.generated) < 20:
         spec.step()
-    state, _ = spec.export()
+    state, _ = spec.hand_over("m")
     registry.transfer(engine.name)
-    engine.insert(state)
+    engine.take_over(state)
     other = greedy_request("o", reference.tokenizer.encode(PROMPTS[1]), 30)
     other_seq = make_sequence(other, registry.tokenizer)
-    engine.add(other_seq)
+    engine.admit(other_seq)
     while len(seq.generated) < 55:
         engine.step()
     engine.settle()
-    back = engine.extract("m")
+    back, _ = engine.hand_over("m")
     assert back.cached == len(seq.all_tokens) - 1
     registry.transfer(spec.name)
-    spec.resume(back)
+    spec.take_over(back)
     while spec.active is not None:
         spec.step()
     registry.transfer(engine.name)
@@ -467,12 +475,12 @@ def test_state_handed_back_holds_exactly_the_committed_tokens(perturbed, referen
     _, engine = perturbed
     prompt = reference.tokenizer.encode(PROMPTS[4])
     seq = make_sequence(greedy_request("x", prompt, 40), reference.tokenizer)
-    engine.insert(SequenceState(seq, make_prompt_cache(engine.registry.target.model), 0))
-    engine.add(make_sequence(greedy_request("y", prompt, 40), reference.tokenizer))
+    engine.admit(SequenceState(seq, make_prompt_cache(engine.registry.target.model), 0))
+    engine.admit(make_sequence(greedy_request("y", prompt, 40), reference.tokenizer))
     for _ in range(6):
         engine.step()
     engine.settle()
-    state = engine.extract("x")
+    state, _ = engine.hand_over("x")
     assert all(layer.offset == state.cached for layer in state.cache)
     assert state.cached == len(seq.all_tokens) - 1
     engine.cancel("y")
@@ -513,8 +521,8 @@ def test_a_short_prompt_starts_decoding_while_a_long_one_still_prefills(perturbe
         "short": make_sequence(greedy_request("short", short_prompt, 20), tokenizer),
     }
     for seq in seqs.values():
-        engine.add(seq)
-    first = engine.step()
+        engine.admit(seq)
+    first = engine.step().outputs
     assert [o.request_id for o in first] == ["short"], "the short prompt decodes at once"
     assert not seqs["long"].generated
     while engine.batch_size:
@@ -542,7 +550,7 @@ def test_a_burst_of_long_prompts_prefills_one_by_one_shortest_first(perturbed, r
         rid: make_sequence(greedy_request(rid, ids, 8), tokenizer) for rid, ids in prompts.items()
     }
     for seq in seqs.values():
-        engine.add(seq)
+        engine.admit(seq)
     assert [[r.seq.request_id for r in g.rows] for g in engine.groups] == [
         ["long"],
         ["longer"],
@@ -551,7 +559,7 @@ def test_a_burst_of_long_prompts_prefills_one_by_one_shortest_first(perturbed, r
     ]
     first_token_order = []
     while engine.batch_size:
-        for output in engine.step():
+        for output in engine.step().outputs:
             if output.token_ids and output.request_id not in first_token_order:
                 first_token_order.append(output.request_id)
     assert set(first_token_order[:2]) == {"short1", "short2"}, "short prompts first"
@@ -573,15 +581,15 @@ def test_a_row_leaving_mid_prefill_carries_its_partial_cache_and_loses_no_output
     assert len(prompt) > 2 * 64
     seq = make_sequence(greedy_request("mid", prompt, 12), registry.tokenizer)
     registry.transfer(engine.name)
-    engine.add(seq)
-    published = [token for output in engine.step() for token in output.token_ids]
-    state = engine.extract("mid")
+    engine.admit(seq)
+    published = [token for output in engine.step().outputs for token in output.token_ids]
+    state, _ = engine.hand_over("mid")
     assert state.cached == 64 and not seq.generated, "left after one chunk, before its first token"
     assert not engine.groups and not engine.batch_size
     registry.transfer(spec.name)
-    spec.resume(state)
+    spec.take_over(state)
     while spec.active is not None:
-        published += [token for output in spec.step() for token in output.token_ids]
+        published += [token for output in spec.step().outputs for token in output.token_ids]
     registry.transfer(engine.name)
     assert seq.generated == reference.greedy_tokens(prompt, 12)
     assert published == seq.generated

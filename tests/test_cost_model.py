@@ -234,7 +234,7 @@ def test_an_open_gate_that_finds_nothing_worth_drafting_lets_plain_steps_pipelin
     request = GenerationRequest(
         "r", tuple(prompt), 24, SamplingParams(temperature=0.0), ignore_eos=True
     )
-    engine.add(make_sequence(request, registry.tokenizer))
+    engine.admit(make_sequence(request, registry.tokenizer))
     pipelined = 0
     while engine.active is not None:
         engine.step()
@@ -257,13 +257,13 @@ def test_a_draft_the_startup_measurement_misjudged_still_drafts_and_stays_exact(
     )
     engine = SpeculativeEngine(registry, SpecConfig(enable_pld=False))
     registry.transfer(engine.name)
-    assert best_draft_length(0.9, 4, engine.cost, DRAFT) == 0  # start-up misjudged it
+    assert best_draft_length(0.9, 4, engine.costs.model(), DRAFT) == 0  # start-up misjudged it
     target.verify_slowdown = 1.0
 
     prompt = tokenizer.encode("Once upon a time there was a little robot")
     request = greedy_request(prompt, 48, SpeculationOverrides(enable_draft=True))
     seq = make_sequence(request, tokenizer)
-    engine.add(seq)
+    engine.admit(seq)
     while engine.active is not None:
         engine.step()
     plain = [t for t, _ in generate_step(mx.array(prompt), tiny, max_tokens=48)]
@@ -411,7 +411,7 @@ def test_the_engine_feeds_each_request_s_prompt_lookup_outcomes_to_its_gate(tiny
     prompt = registry.tokenizer.encode("one two three four five six seven. " * 8)
     request = greedy_request(prompt, 48, SpeculationOverrides(enable_pld=True))
     seq = make_sequence(request, registry.tokenizer)
-    engine.add(seq)
+    engine.admit(seq)
     gate = engine.active.gates[PLD]
     while engine.active is not None:
         engine.step()
@@ -459,7 +459,7 @@ def test_every_drafting_step_counts_less_the_catch_up_it_needed(tiny_loaded):
     prompt = tokenizer.encode("Once upon a time there was a little robot who " * 4)
     assert len(prompt) > 40
     seq = make_sequence(greedy_request(prompt, 32, SpeculationOverrides()), tokenizer)
-    engine.add(seq)
+    engine.admit(seq)
     while engine.active is not None:
         engine.step()
     drafts = seq.spec.by_method[DRAFT].drafts

@@ -191,7 +191,7 @@ def reduced_engines(tiny_model_dir, perturbed_draft_dir):
 def run_alone(registry, engine, request):
     registry.transfer(engine.name)
     seq = make_sequence(request, registry.tokenizer)
-    engine.add(seq)
+    engine.admit(seq)
     while engine.active is not None:
         engine.step()
     return seq
@@ -248,7 +248,7 @@ def first_two(registry, engine, prompt, seeds, spec: bool) -> list[tuple[int, ..
         registry.transfer(engine.name)
         seq = make_sequence(request, registry.tokenizer)
         seq.rng = RandomStream(mx.random.key(seed))
-        engine.add(seq)
+        engine.admit(seq)
         while engine.active is not None:
             engine.step()
         pairs.append(tuple(seq.generated))

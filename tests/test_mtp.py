@@ -81,7 +81,7 @@ def run(engine, req, rng=None):
     seq = make_sequence(req, engine.registry.tokenizer)
     if rng is not None:
         seq.rng = rng
-    engine.add(seq)
+    engine.admit(seq)
     while engine.active is not None:
         engine.step()
     return seq
@@ -148,15 +148,15 @@ def test_export_and_resume_mid_stream_is_exact_and_keeps_drafting(
     prompt_ids = reference.tokenizer.encode(STORY)
     first = make_engine(checkpoints["copy"])
     seq = make_sequence(request(prompt_ids, 160), first.registry.tokenizer)
-    first.add(seq)
+    first.admit(seq)
     while len(seq.generated) < 50:
         first.step()
-    state, _ = first.export()
+    state, _ = first.hand_over(seq.request_id)
     if not keep_head_state:
         state = SequenceState(state.seq, state.cache, state.cached, state.gates, state.pld)
     drafted_before = seq.spec.by_method["mtp"].draft_tokens
     second = make_engine(checkpoints["copy"])
-    second.resume(state)
+    second.take_over(state)
     while second.active is not None:
         second.step()
     assert seq.generated == reference.greedy_tokens(prompt_ids, 160)
@@ -219,7 +219,7 @@ def test_the_heads_drafts_are_drawn_from_the_q_it_reports(engines, references):
     bias = ((prompt_ids[3], 2.0),)
     params = SamplingParams(temperature=0.9, top_k=8, logit_bias=bias)
     seq = make_sequence(request(prompt_ids, 10, params), engine.registry.tokenizer)
-    engine.add(seq)
+    engine.admit(seq)
     engine.step()  # the prompt's prefill feeds the head
     active = engine.active
     draws, q = [], None

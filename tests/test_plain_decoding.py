@@ -27,10 +27,10 @@ def engine(tiny_model_dir):
 
 def run(engine: SpeculativeEngine, request: GenerationRequest):
     seq = make_sequence(request, engine.registry.tokenizer)
-    engine.add(seq)
+    engine.admit(seq)
     outputs = []
     while engine.active is not None:
-        outputs.extend(engine.step())
+        outputs.extend(engine.step().outputs)
     return seq, outputs
 
 
@@ -106,7 +106,7 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(engine, reference):
 def test_cancel_frees_the_engine(engine, reference):
     prompt = reference.tokenizer.encode("Once upon a time")
     seq = make_sequence(greedy(prompt, 100, ignore_eos=True), engine.registry.tokenizer)
-    engine.add(seq)
+    engine.admit(seq)
     for _ in range(3):
         engine.step()
     assert engine.cancel("r")
@@ -119,7 +119,7 @@ def test_forward_without_ownership_raises(engine, reference):
     engine.registry.transfer("someone-else")
     try:
         prompt = reference.tokenizer.encode("Once upon a time")
-        engine.add(make_sequence(greedy(prompt, 5), engine.registry.tokenizer))
+        engine.admit(make_sequence(greedy(prompt, 5), engine.registry.tokenizer))
         with pytest.raises(OwnershipError):
             engine.step()
         engine.cancel("r")

@@ -219,16 +219,17 @@ def test_a_batched_prefill_keeps_checkpoints_that_continue_exactly(tmp_path, tin
         dataclasses.replace(greedy(f"c{i}", p, 20), checkpoints=(point,))
         for i, p in enumerate(prompts)
     ]
-    seqs, _, _ = run_batch(engine, requests)
+    results = []
+    seqs, _, _ = run_batch(engine, requests, results=results)
     for i, prompt in enumerate(prompts):
         assert seqs[f"c{i}"].generated == reference.greedy_tokens(prompt, 20)
-    kept = sorted(state.cached for state in engine.checkpoints)
+    checkpoints = [state for r in results for state in r.checkpoints]
+    kept = sorted(state.cached for state in checkpoints)
     assert kept == sorted([point, point, len(prompts[0]) - 1, len(prompts[1]) - 1])
-    checkpoint = next(state for state in engine.checkpoints if state.cached == point)
-    engine.checkpoints.clear()
+    checkpoint = next(state for state in checkpoints if state.cached == point)
     follow_up = shared + reference.tokenizer.encode(" What is the moral of it?")
     seq = make_sequence(greedy("follow", follow_up, 20), engine.registry.tokenizer)
-    engine.insert(SequenceState(seq, checkpoint.cache, point))
+    engine.admit(SequenceState(seq, checkpoint.cache, point))
     while engine.batch_size:
         engine.step()
     assert seq.generated == reference.greedy_tokens(follow_up, 20)

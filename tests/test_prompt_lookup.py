@@ -143,7 +143,7 @@ def test_a_scripted_rename_is_served_exactly_with_long_drafts_through_it(tiny_mo
     request = GenerationRequest("r", tuple(prompt), len(script), SamplingParams(temperature=0))
     seq = make_sequence(request, tokenizer)
     seq.processors.append(forced_tokens_processor(len(prompt), script))
-    engine.add(seq)
+    engine.admit(seq)
     while engine.active is not None:
         engine.step()
     assert seq.generated == script
@@ -186,10 +186,10 @@ def test_a_prompt_that_does_not_repeat_itself_still_drafts_when_the_answer_copie
     request = GenerationRequest("r", tuple(prompt), len(script), SamplingParams(temperature=0))
     seq = make_sequence(request, tokenizer)
     seq.processors.append(forced_tokens_processor(len(prompt), script))
-    engine.add(seq)
+    engine.admit(seq)
     plain_tokens_before_a_draft = 0
     while engine.active is not None:
-        for output in engine.step():
+        for output in engine.step().outputs:
             if len(output.token_ids) > 1:
                 break
             plain_tokens_before_a_draft += len(output.token_ids)

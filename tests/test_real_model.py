@@ -69,7 +69,7 @@ def test_real_draft_pair_greedy_equals_plain_with_acceptance(stories_spec_engine
         "r", tuple(prompt_ids), 200, SamplingParams(temperature=0.0), ignore_eos=True
     )
     seq = make_sequence(request, tokenizer)
-    engine.add(seq)
+    engine.admit(seq)
     while engine.active is not None:
         engine.step()
     reference_model = load(str(STORIES))[0]

@@ -270,11 +270,11 @@ def test_leaving_the_batch_raises_rather_than_keep_a_token_too_many(arch):
     engine = BatchedEngine(registry)
     registry.transfer(engine.name)
     prompt = reference.tokenizer.encode(CODE_PROMPT)  # past the sliding window
-    engine.add(make_sequence(greedy_request("leave", prompt, 40), registry.tokenizer))
+    engine.admit(make_sequence(greedy_request("leave", prompt, 40), registry.tokenizer))
     for _ in range(3):
         engine.step()
     with pytest.raises(RollbackError):
-        engine.extract("leave")
+        engine.hand_over("leave")
     engine.close()
 
 

@@ -38,10 +38,10 @@ def run(engine, prompt_ids, max_tokens, *, sampling=GREEDY, rng=None, **kw):
     seq = make_sequence(request, engine.registry.tokenizer)
     if rng is not None:
         seq.rng = rng
-    engine.add(seq)
+    engine.admit(seq)
     outputs = []
     while engine.active is not None:
-        outputs.extend(engine.step())
+        outputs.extend(engine.step().outputs)
     return seq, outputs
 
 
@@ -230,14 +230,14 @@ def test_export_and_resume_gives_the_uninterrupted_output(
 
     request = GenerationRequest("r", tuple(prompt_ids), 120, sampling, ignore_eos=True)
     seq = make_sequence(request, engine.registry.tokenizer)
-    engine.add(seq)
+    engine.admit(seq)
     while len(seq.generated) < split_after:
         engine.step()
-    state, settled = engine.export()
+    state, _ = engine.hand_over("r")
     assert engine.active is None
     assert state.cached == len(seq.all_tokens) - 1, "cache holds all committed but the last"
     other = make_engine(tiny_model_dir, perturbed_draft_dir)
-    other.resume(state)
+    other.take_over(state)
     while other.active is not None:
         other.step()
     assert seq.generated == expected.generated
@@ -314,7 +314,7 @@ def test_each_request_drafts_from_its_own_ngram_index(pld_engine, reference):
     fresh = [t for t in range(300, 3000) if t not in set(a)][: len(a) + 30]
     b = [*fresh, *fresh[:3]]  # B repeats its own first three tokens at the end
     seq = make_sequence(GenerationRequest("b", tuple(b), 4, GREEDY), reference.tokenizer)
-    pld_engine.add(seq)
+    pld_engine.admit(seq)
     try:
         drafter = pld_engine.active.pld
         draft = drafter.propose(pld_engine.active.tokens, 4)
@@ -332,7 +332,7 @@ def test_a_commit_failing_during_hand_over_fails_only_that_request(tiny_model_di
     prompt = reference.tokenizer.encode(STORY_PROMPT)
     request = GenerationRequest("h", tuple(prompt), 50, GREEDY, ignore_eos=True)
     seq = make_sequence(request, reference.tokenizer)
-    engine.add(seq)
+    engine.admit(seq)
     while len(seq.generated) < 5:
         engine.step()
     assert engine.active.in_flight is not None, "plain steps are pipelined"
@@ -344,9 +344,10 @@ def test_a_commit_failing_during_hand_over_fails_only_that_request(tiny_model_di
             return logits
 
     seq.processors.append(Broken())
-    state, outputs = engine.export()
+    state, result = engine.hand_over(seq.request_id)
+    outputs = result.outputs
     assert engine.active is None
-    assert state.seq.finish_reason == FinishReason.ERROR
+    assert state is None and seq.finish_reason == FinishReason.ERROR
     assert outputs[-1].finish_reason == FinishReason.ERROR and "broken" in outputs[-1].error
 
 

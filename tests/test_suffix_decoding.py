@@ -49,7 +49,7 @@ def serve(engine, prompt, max_tokens, index=None, sampling=GREEDY, rng=None, **k
     seq.suffix = SuffixReader(index) if index is not None else None
     if rng is not None:
         seq.rng = rng
-    engine.add(seq)
+    engine.admit(seq)
     while engine.active is not None:
         engine.step()
     return seq
@@ -145,7 +145,7 @@ def test_batched_rows_draft_from_their_own_keys_index_only(tiny_model_dir, refer
         request = GenerationRequest(rid, tuple(prompt), 48, GREEDY, ignore_eos=True)
         seqs[rid] = make_sequence(request, registry.tokenizer)
         seqs[rid].suffix = SuffixReader(index)
-        batched.add(seqs[rid])
+        batched.admit(seqs[rid])
     steps = 0
     while batched.batch_size:
         batched.step()

@@ -6,7 +6,8 @@ sequences are applied by `Sequence.commit` exactly as in the speculative engine
 (BatchGenerator gets no stop tokens of its own), per-request samplers that reuse one
 callable per distinct unseeded parameter set (BatchGenerator samples rows that share
 a sampler object in one call), and the hand-over of sequences in and out with their
-KV caches (`insert` / `extract`), so migration never re-prefills.
+KV caches (`take_over` / `hand_over`), so migration never re-prefills. The operations
+are `engines.interface.Engine`'s.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache
 
 from engines.cache.rollback import trim_exact
+from engines.interface import StepResult, starting_state
 from engines.model.registry import ModelRegistry
 from engines.request import SamplingParams
 from engines.sample.logprobs import token_logprob
@@ -88,6 +90,8 @@ def _seeded_sampler(params: SamplingParams, seq: Sequence) -> Sampler:
 
 
 class BatchedEngine:
+    """Owned by the engine thread: every field (and the generator) is used there only."""
+
     name = "batched"
 
     def __init__(
@@ -105,8 +109,6 @@ class BatchedEngine:
         self._seqs: dict[int, Sequence] = {}  # uid -> sequence
         self._uids: dict[str, int] = {}  # request id -> uid
         self._gates: dict[str, dict] = {}  # speculative state parked while batched
-        self.released: list[SequenceState] = []  # finished sequences' caches, for reuse
-        self.checkpoints: list[SequenceState] = []  # none: BatchGenerator's prompts are its own
 
     @property
     def batch_size(self) -> int:
@@ -116,10 +118,15 @@ class BatchedEngine:
     def active_ids(self) -> list[str]:
         return list(self._uids)
 
-    def add(self, seq: Sequence) -> None:
-        self.insert(SequenceState(seq, make_prompt_cache(self.model), 0))
+    @property
+    def has_capacity(self) -> bool:
+        return True
 
-    def insert(self, state: SequenceState) -> None:
+    def admit(self, start: Sequence | SequenceState) -> None:
+        """A new request starts: from an empty cache, or a cached prefix of its prompt."""
+        self.take_over(starting_state(start, self.model))
+
+    def take_over(self, state: SequenceState) -> None:
         """Join the batch with the cache as it is: only uncached tokens are fed."""
         seq = state.seq
         tokens = seq.all_tokens
@@ -138,10 +145,11 @@ class BatchedEngine:
         if state.gates is not None:
             self._gates[seq.request_id] = state.gates
 
-    admit = insert
-
-    def extract(self, request_id: str) -> SequenceState:
-        """Leave the batch with the KV cache of every committed token but the last."""
+    def hand_over(self, request_id: str) -> tuple[SequenceState | None, StepResult]:
+        """Leave the batch with the KV cache of every committed token but the last
+        (nothing is in flight here: the result is empty); None when not here."""
+        if request_id not in self._uids:
+            return None, StepResult()
         uid = self._uids.pop(request_id)
         seq = self._seqs.pop(uid)
         cache, cached_tokens = self.generator.remove([uid], return_prompt_caches=True)[uid]
@@ -152,11 +160,11 @@ class BatchedEngine:
             # that cannot roll back raises: such models never migrate (`supports_rollback`).
             trim_exact(cache, cached - len(seq.all_tokens) + 1)
             cached = len(seq.all_tokens) - 1
-        return SequenceState(seq, cache, cached, self._gates.pop(request_id, None))
+        return SequenceState(seq, cache, cached, self._gates.pop(request_id, None)), StepResult()
 
-    def settle(self) -> list[StepOutput]:
+    def settle(self) -> StepResult:
         """Nothing to settle: a row leaves mlx-lm's generator with what it committed."""
-        return []
+        return StepResult()
 
     def cancel(self, request_id: str) -> bool:
         uid = self._uids.pop(request_id, None)
@@ -168,11 +176,12 @@ class BatchedEngine:
         self._gates.pop(request_id, None)
         return True
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> StepResult:
         """One BatchGenerator step: a prefill chunk for new sequences and/or one token
         for every decoding sequence."""
         _, responses = self.generator.next()
-        outputs = []
+        result = StepResult()
+        outputs, released = result.outputs, result.released
         for response in responses:
             seq = self._seqs.get(response.uid)
             if seq is None:
@@ -185,7 +194,7 @@ class BatchedEngine:
                 outputs.append(
                     StepOutput(seq.request_id, [], "", FinishReason.ERROR, error=str(exc))
                 )
-                self._forget(response.uid, seq, still_in_generator=response.finish_reason is None)
+                self._forget(response.uid, seq, response.finish_reason is None, released)
                 continue
             output = StepOutput(
                 seq.request_id, [response.token], text, seq.finish_reason, seq.matched_stop
@@ -196,10 +205,14 @@ class BatchedEngine:
                 ]
             outputs.append(output)
             if seq.finished:
-                self._forget(response.uid, seq, still_in_generator=response.finish_reason is None)
-        return outputs
+                self._forget(response.uid, seq, response.finish_reason is None, released)
+        return result
 
-    def _forget(self, uid: int, seq: Sequence, still_in_generator: bool) -> None:
+    def _forget(
+        self, uid: int, seq: Sequence, still_in_generator: bool, released: list[SequenceState]
+    ) -> None:
+        """A finished sequence leaves; its cache, cut back to committed tokens, goes to
+        `released` for prefix reuse."""
         del self._seqs[uid]
         del self._uids[seq.request_id]
         self._gates.pop(seq.request_id, None)
@@ -207,7 +220,7 @@ class BatchedEngine:
             cache, fed = self.generator.remove([uid], return_prompt_caches=True)[uid]
             state = _committed_state(seq, cache, list(fed))
             if state is not None:
-                self.released.append(state)
+                released.append(state)
 
     def close(self) -> None:
         self.generator.close()

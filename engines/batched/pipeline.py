@@ -24,16 +24,18 @@ from engines.sample.sampling import sample_token
 @dataclass
 class InFlight:
     """A queued plain step: each row's next token and the log-probabilities it was
-    drawn from (both lazy), and how many rows the forward ran over."""
+    drawn from (both lazy), how many rows the forward ran over, and whether the step
+    after it is planned plain too (planned from the tokens committed before it)."""
 
     tokens: mx.array  # (B,)
     logprobs: mx.array  # (B, V)
     width: int
+    plain_after: bool = False
 
     def kept(self, rows: list[int]) -> InFlight:
         """The same step for `rows` only (the others left the batch)."""
         index = mx.array(rows, dtype=mx.int32)
-        return InFlight(self.tokens[index], self.logprobs[index], self.width)
+        return InFlight(self.tokens[index], self.logprobs[index], self.width, self.plain_after)
 
 
 def queue_plain(
@@ -72,3 +74,34 @@ def pipelinable(rows: list[BatchRow]) -> bool:
     """Rows whose plain steps can be queued ahead: none has logits processors, which
     need the newest token's value (a grammar reads it) before the next forward."""
     return bool(rows) and not any(row.seq.processors for row in rows)
+
+
+MAX_HOST_GAP = 0.5  # seconds between steps beyond which the caller idled, not worked
+
+
+@dataclass
+class Cadence:
+    """The batch's step timing: the host time between two steps (what the caller did
+    in between, publishing the last step's outputs: a pipelined plain step overlaps it
+    with its forward, a drafting step waits for it), and the time between two calls
+    that each queued a plain step (what a plain step costs as served)."""
+
+    pipelined_at: float | None = None  # when the last call that queued a step ended
+    returned_at: float | None = None  # when the last step with rows returned
+    host_seconds: float = 0.0  # the caller's time between that return and this step
+
+    def begin_step(self, now: float) -> None:
+        returned, self.returned_at = self.returned_at, None
+        gap = now - returned if returned is not None else 0.0
+        self.host_seconds = gap if gap < MAX_HOST_GAP else 0.0  # longer: the caller idled
+
+    def plain_step(self, now: float, queued: bool) -> float | None:
+        """A plain step as served in the pipeline costs the time between two commits
+        (the host's work overlaps the forward): what a drafting step must beat. Only
+        steady calls count, each of which queued a step: where `async_eval` runs most
+        of a forward before returning (MLX on a CPU), the call that starts a pipeline
+        pays for two steps and the one that ends it for almost none. Returns that
+        time, None when this call is no steady one."""
+        seconds = now - self.pipelined_at if self.pipelined_at is not None and queued else None
+        self.pipelined_at = now if queued else None
+        return seconds

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache
 
+from engines.batched.containment import failed_outputs, involved
 from engines.batched.drafting import BatchRow
 from engines.batched.verify import accept_rows, commit_row, process_rows
 from engines.cache.ragged_cache import RaggedKVCache, feed_chunk, feed_rows, remove_rows
@@ -160,3 +161,40 @@ def take_ready(
     draft = [layer.take(ready) for layer in group.draft_cache or []] or None
     remove_rows(group.rows, group.cache, group.draft_cache, ready)
     return rows, cache, draft
+
+
+def leave_group(groups: list[PrefillGroup], group: PrefillGroup, indices: list[int]) -> None:
+    """Rows leave `group` (finished, cancelled, handed over); an empty group goes."""
+    remove_rows(group.rows, group.cache, group.draft_cache, indices)
+    if not group.rows:
+        groups.remove(group)
+
+
+def prefill_next(
+    groups: list[PrefillGroup],
+    model,
+    drafter,
+    mtp: BatchedMTP | None,
+    chunk: int,
+    checkpoints: list | None,
+    contain: bool,
+) -> tuple[tuple[list[BatchRow], list, list | None] | None, list[StepOutput]]:
+    """One chunk of the next group (`next_group`, `prefill_chunk`): the rows whose
+    prompts are then in, taken out to join the batch with their target and draft cache
+    rows (None: none), and the outputs (their first tokens). With `contain`, a failed
+    chunk ends only the rows it belongs to (`containment`): they leave the group, each
+    with an error output."""
+    group = next_group(groups)
+    group.started = True
+    try:
+        ready, outputs = prefill_chunk(model, drafter, mtp, group, chunk, checkpoints)
+    except Exception as exc:  # noqa: BLE001 - the group's rows fail, the batch goes on
+        if not contain:
+            raise
+        failed = involved(exc, group.rows)
+        rows = [group.rows[i] for i in failed]
+        leave_group(groups, group, failed)
+        return None, failed_outputs(rows, exc, "a prefill chunk")
+    if not ready:
+        return None, outputs
+    return take_ready(groups, group, ready), outputs

@@ -13,7 +13,8 @@ within the request's `draft_limits`; this module runs the step and keeps the cac
 Invariant after every step: the target cache holds exactly the committed tokens
 except the newest one (`last`), which is the input of the next forward -- or, when
 a plain token is in flight, the cache also holds `last` and the in-flight token is
-sampled but not yet committed. `export` settles that and hands the state over.
+sampled but not yet committed. `settle` commits it; `hand_over` settles and hands the
+state over. The operations are `engines.interface.Engine`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import logging
 import time
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache
 
 from engines.cache.rollback import (
     can_trim,
@@ -40,6 +41,7 @@ from engines.drafting.prompt_lookup import PromptLookupDrafter
 from engines.gating.draft_confidence import ConfidenceCalibration
 from engines.gating.draft_limits import DraftLimits
 from engines.gating.measured_costs import PLAIN, CostModel, OnlineCosts, RealizedRates
+from engines.interface import StepResult, starting_state
 from engines.model.mtp import MTPStepModel, TargetParts
 from engines.model.registry import ModelRegistry
 from engines.request import at_checkpoint, next_checkpoint
@@ -105,15 +107,16 @@ class SpeculativeEngine:
             self.limits, self.costs, self.realized, self.drafter, self.confidence
         )
         self.active: Active | None = None
-        self.released: list[SequenceState] = []  # finished sequences' caches, for reuse
         self.checkpoint_prompts = False  # keep prompt checkpoints (there is a prefix cache)
-        self.checkpoints: list[SequenceState] = []  # prefilled prompts' caches, for reuse
+        # what the calls since the last result produced (finished caches, checkpoints):
+        # returned by the next `step`, `settle` or `hand_over`
+        self._result = StepResult()
 
     def describe(self) -> str:
         methods = (["pld"] if self.config.enable_pld else []) + (
             [self.drafter.method] if self.drafter else []
         )
-        cost = self.cost
+        cost = self.costs.model()
         costs = ", ".join(f"{c:.2f}" for c in cost.verify[: self.config.num_draft_tokens + 1])
         draft_model = getattr(self.drafter, "model", None)
         scores = (
@@ -127,10 +130,6 @@ class SpeculativeEngine:
             + (f" draft step={cost.draft_step:.2f}" if self.drafter else "")
         )
 
-    @property
-    def cost(self) -> CostModel:
-        return self.costs.model()
-
     # ---- admission and hand-over ------------------------------------------------
 
     @property
@@ -141,11 +140,12 @@ class SpeculativeEngine:
     def active_ids(self) -> list[str]:
         return [self.active.seq.request_id] if self.active else []
 
-    def add(self, seq: Sequence) -> None:
-        self.resume(SequenceState(seq, make_prompt_cache(self.model), 0))
+    def admit(self, start: Sequence | SequenceState) -> None:
+        """A new request starts: from an empty cache, or a cached prefix of its prompt."""
+        self.take_over(starting_state(start, self.model))
 
-    def resume(self, state: SequenceState) -> None:
-        """Continue a sequence from exported state, without re-prefilling its cache."""
+    def take_over(self, state: SequenceState) -> None:
+        """Continue a sequence from handed-over state, without re-prefilling its cache."""
         assert self.active is None, "the speculative engine serves one sequence at a time"
         seq = state.seq
         active = Active(seq, state.cache, state.cached, seq.processors)
@@ -157,22 +157,31 @@ class SpeculativeEngine:
         active.gates = state.gates if state.gates is not None else self.limits.initial_gates(seq)
         self.active = active
 
-    admit = resume
-
-    def export(self) -> tuple[SequenceState, list[StepOutput]]:
-        """Hand the sequence over at a step boundary. A plain token already in flight
-        is committed first; its output is returned so the caller can publish it."""
+    def settle(self) -> StepResult:
+        """Commit a plain token still in flight (its output is in the result), so the
+        cache holds exactly the committed tokens but the newest again."""
         active = self.active
         outputs = []
         try:
-            if active.in_flight is not None:
+            if active is not None and active.in_flight is not None:
                 outputs = self._commit_in_flight(pipeline=False)
         except Exception as exc:  # noqa: BLE001 - a failing commit fails its request only
             log.exception("request %s failed while being handed over", active.seq.request_id)
             active.seq.finish_reason = FinishReason.ERROR
             error = StepOutput(active.seq.request_id, [], "", FinishReason.ERROR, error=str(exc))
             outputs = [error]
+            self.active = None
+        return self._take(outputs)
+
+    def hand_over(self, request_id: str) -> tuple[SequenceState | None, StepResult]:
+        """Hand the sequence over at a step boundary, a plain token in flight committed
+        first (`settle`); None for the state when that commit finished it."""
+        active = self.active
+        assert active is not None and active.seq.request_id == request_id, "not served here"
+        result = self.settle()
         self.active = None
+        if active.seq.finished:
+            return None, result
         state = SequenceState(
             active.seq,
             active.cache,
@@ -182,7 +191,13 @@ class SpeculativeEngine:
             active.draft,
             active.mtp,
         )
-        return state, outputs
+        return state, result
+
+    def _take(self, outputs: list[StepOutput]) -> StepResult:
+        """The result of this call: `outputs` and what the engine kept since the last."""
+        result, self._result = self._result, StepResult()
+        result.outputs += outputs
+        return result
 
     def cancel(self, request_id: str) -> bool:
         if self.active is None or self.active.seq.request_id != request_id:
@@ -193,7 +208,11 @@ class SpeculativeEngine:
 
     # ---- the step ---------------------------------------------------------------
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> StepResult:
+        """One step: a prompt chunk, a verify of a draft, or a plain step (pipelined)."""
+        return self._take(self._step())
+
+    def _step(self) -> list[StepOutput]:
         active = self.active
         if active is None:
             return []
@@ -277,7 +296,7 @@ class SpeculativeEngine:
         updates replace them)."""
         if not can_trim_prompt_cache(active.cache):
             copy = detached_copy(active.cache)
-            self.checkpoints.append(SequenceState(active.seq, copy, active.cached))
+            self._result.checkpoints.append(SequenceState(active.seq, copy, active.cached))
 
     def _forward_and_sample(
         self, active: Active, tokens: mx.array, position: int
@@ -395,11 +414,11 @@ class SpeculativeEngine:
         return [output]
 
     def _release(self, keep_cache: bool = False) -> None:
-        """Drop the active sequence; a finished one leaves its cache in `released`,
-        trimmed to the committed tokens it holds (a stop can end a run early). A
-        pipelined token still in flight is not committed, and the cache already holds
-        every committed token (the newest was fed to compute it): that cache is kept
-        as it is."""
+        """Drop the active sequence; a finished one leaves its cache in the result's
+        `released`, trimmed to the committed tokens it holds (a stop can end a run
+        early). A pipelined token still in flight is not committed, and the cache
+        already holds every committed token (the newest was fed to compute it): that
+        cache is kept as it is."""
         active, self.active = self.active, None
         if not keep_cache:
             return
@@ -409,6 +428,6 @@ class SpeculativeEngine:
                 return  # recurrent or windowed: it cannot be cut back to reuse
             trim_exact(active.cache, active.cached - committed)
             active.cached = committed
-        self.released.append(
+        self._result.released.append(
             SequenceState(active.seq, active.cache, active.cached, draft=active.draft)
         )

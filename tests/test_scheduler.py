@@ -107,3 +107,59 @@ async def test_every_stream_ends_when_cancel_raises_while_aborting(tiny_model_di
                 await asyncio.wait_for(stream.collect(), timeout=10)
     finally:
         scheduler.stop()
+
+
+async def test_a_lost_rank_ends_every_stream_when_the_engine_thread_is_stuck(
+    tiny_model_dir, reference
+):
+    """The rank watch hands a lost rank to the engine thread; when that thread is stuck
+    (a collective on a broken ring never returns) every stream still ends, from the
+    event loop's side, and the server reports failed."""
+    import threading
+
+    from engines.errors import RequestAborted, ServerNotReady
+    from scheduler.scheduler import SchedulerState
+
+    scheduler = start_scheduler(tiny_model_dir, batch_threshold=10)
+    release = threading.Event()
+    try:
+        running, waiting = await one_running_one_waiting(scheduler, reference)
+        step = scheduler._step
+        scheduler._step = lambda: release.wait(60) and step()  # the next step hangs
+        await asyncio.sleep(0.2)
+        watch = threading.Thread(target=scheduler._rank_lost, args=("rank 1 ended",))
+        watch.start()
+        for stream in (running, waiting):
+            with pytest.raises(RequestAborted, match="rank 1 ended"):
+                await asyncio.wait_for(stream.collect(), timeout=10)
+        watch.join(10)
+        assert scheduler.state == SchedulerState.FAILED
+        assert scheduler.num_outstanding == 0
+        with pytest.raises(ServerNotReady):
+            scheduler.submit(request("late", [5, 6], 4))
+    finally:
+        release.set()
+        scheduler.stop()
+
+
+async def test_a_lost_rank_is_taken_in_by_an_idle_engine_thread(tiny_model_dir, reference):
+    """An idle engine thread takes the lost rank in at once: failed, nothing accepted."""
+    import threading
+
+    from engines.errors import ServerNotReady
+    from scheduler.scheduler import SchedulerState
+
+    scheduler = start_scheduler(tiny_model_dir)
+    try:
+        prompt = reference.tokenizer.encode("Once upon")
+        await scheduler.submit(request("done", prompt, 4)).collect()
+        watch = threading.Thread(target=scheduler._rank_lost, args=("rank 1 ended",))
+        watch.start()
+        watch.join(10)
+        assert scheduler.state == SchedulerState.FAILED
+        assert scheduler.error == "engine failed: rank 1 ended"
+        assert not scheduler._thread.is_alive(), "the engine loop stopped"
+        with pytest.raises(ServerNotReady):
+            scheduler.submit(request("late", prompt, 4))
+    finally:
+        scheduler.stop()

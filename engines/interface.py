@@ -20,7 +20,7 @@ caller to read and clear afterwards.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -40,6 +40,7 @@ class StepResult:
     forward_seconds: float = 0.0  # model time (the rest of the step is overhead)
 
 
+@runtime_checkable
 class Engine(Protocol):
     """Both engines (`SpeculativeEngine`, `BatchedSpeculativeEngine`, and the fallback
     `BatchedEngine`). Every call runs on the engine thread."""

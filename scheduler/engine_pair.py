@@ -15,7 +15,7 @@ from collections.abc import Callable
 from engines.batched.engine import BatchedSpeculativeEngine
 from engines.batched.fallback import BatchedEngine
 from engines.drafting.draft_vocab import vocabulary_of
-from engines.interface import StepResult
+from engines.interface import Engine, StepResult
 from engines.model.registry import ModelRegistry
 from engines.single.engine import SpeculativeEngine
 from engines.state import SequenceState
@@ -24,8 +24,6 @@ from scheduler.loading import Loaded
 from scheduler.policy import Mode
 
 log = logging.getLogger(__name__)
-
-Engine = SpeculativeEngine | BatchedSpeculativeEngine | BatchedEngine
 
 
 class EnginePair:

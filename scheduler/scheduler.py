@@ -22,6 +22,7 @@ import mlx.core as mx
 from engines.batched.engine import BatchedSpeculativeEngine
 from engines.batched.fallback import BatchedEngine
 from engines.errors import ContextTooLong, InvalidRequest, QueueFull, ServerNotReady
+from engines.interface import Engine
 from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, check_token_ids
 from engines.sequence import FinishReason
@@ -379,7 +380,7 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
 
     # ---- commands and the request table -------------------------------------------------
 
-    def _engine(self) -> SpeculativeEngine | BatchedSpeculativeEngine | BatchedEngine | None:
+    def _engine(self) -> Engine | None:
         return self.engines.engine
 
     def _apply(self, commands: list[Command]) -> bool:

@@ -7,6 +7,13 @@ faster after another key asked the same thing would learn what that key asked (a
 timing side channel). The scope is the request's `cache_scope` (the API key's id; ""
 on a server without keys, whose requests all share one index).
 
+What is indexed of a request is its output and the last `PROMPT_TAIL` tokens of its
+prompt before it: a match reads at most `MAX_MATCH` tokens back, and the rest of a long
+prompt is the conversation so far, which the next turn's prompt holds again (and
+prompt lookup searches there). An agent's turns each resend 10-20k tokens of history;
+indexed whole, four of them filled a key's bound and evicted the answers that the
+same session, replayed, would have drafted from.
+
 Bounded: each key's index holds at most `tokens_per_key` tokens (its oldest sequences
 are evicted first), and at most `max_keys` keys have an index (the least recently used
 goes first). A key's bound is its own, so another key's traffic never evicts a key's
@@ -18,8 +25,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engines.drafting.suffix import SuffixIndex, SuffixReader
+from engines.drafting.draft import SUFFIX
+from engines.drafting.suffix import MAX_MATCH, SuffixIndex, SuffixReader
 from engines.sequence import Sequence
+
+PROMPT_TAIL = 4 * MAX_MATCH  # prompt tokens indexed before each output
 
 
 class SuffixStore:
@@ -42,10 +52,15 @@ class SuffixStore:
         return SuffixReader(self._index(scope))
 
     def learn(self, seq: Sequence | None) -> None:
-        """Index a finished request's prompt and output under its key."""
+        """Index a finished request's output, after its prompt's last tokens, under its
+        key, and what its suffix drafts' verifies said of the key's index."""
         if not self.enabled or seq is None or not seq.generated:
             return
-        self._index(seq.request.cache_scope).add(seq.all_tokens)
+        index = self._index(seq.request.cache_scope)
+        verified = seq.spec.by_method.get(SUFFIX)
+        if verified is not None:
+            index.learn_acceptance(verified.drafts, verified.first_accepted)
+        index.add([*seq.request.prompt_tokens[-PROMPT_TAIL:], *seq.generated])
         self._stats = self._totals()
 
     def _index(self, scope: str) -> SuffixIndex:

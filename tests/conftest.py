@@ -122,8 +122,12 @@ def scheduler(tiny_model_dir):
 @pytest.fixture(scope="module")
 def spec_scheduler(tiny_model_dir, perturbed_draft_dir):
     """A scheduler whose draft is the perturbed target: speculation with partial
-    acceptance on every surface. One per test module, so counters start fresh."""
-    scheduler = start_scheduler(tiny_model_dir, draft_model=str(perturbed_draft_dir))
+    acceptance on every surface. One per test module, so counters start fresh. Suffix
+    decoding is off: the modules ask the same prompts again, which it would draft whole
+    from the earlier answers (tests/test_suffix_decoding.py serves it)."""
+    scheduler = start_scheduler(
+        tiny_model_dir, draft_model=str(perturbed_draft_dir), suffix_tokens_per_key=0
+    )
     yield scheduler
     scheduler.stop()
 

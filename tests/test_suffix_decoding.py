@@ -19,7 +19,8 @@ from engines.sample.sampling import RandomStream
 from engines.sequence import make_sequence
 from engines.single.engine import SpeculativeEngine
 from engines.state import SpecConfig
-from scheduler.suffix_store import SuffixStore
+from engines.telemetry import SpecStats
+from scheduler.suffix_store import PROMPT_TAIL, SuffixStore
 from tests.conftest import make_client, start_scheduler
 from tests.distributions import assert_same_token_distribution
 from tests.test_metrics import samples, value
@@ -160,10 +161,12 @@ def test_the_store_keeps_each_keys_own_index_bounded():
     store = SuffixStore(tokens_per_key=40, max_keys=2)
 
     class Seq:  # what `learn` reads of a finished sequence
-        def __init__(self, scope, tokens):
-            self.request = GenerationRequest("x", tuple(tokens[:4]), 1, GREEDY, cache_scope=scope)
-            self.generated = tokens[4:]
-            self.all_tokens = tokens
+        def __init__(self, scope, tokens, prompt=4):
+            self.request = GenerationRequest(
+                "x", tuple(tokens[:prompt]), 1, GREEDY, cache_scope=scope
+            )
+            self.generated = tokens[prompt:]
+            self.spec = SpecStats()
 
     a, b = store.reader("A"), store.reader("B")
     store.learn(Seq("A", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]))
@@ -178,6 +181,18 @@ def test_the_store_keeps_each_keys_own_index_bounded():
     stats = store.stats()
     assert stats["keys"] == 2 and stats["retired_keys"] == 1 and stats["tokens"] <= 40
     assert SuffixStore(tokens_per_key=0).reader("A") is None
+    # a long prompt (an agent's history) is indexed by its last PROMPT_TAIL tokens only
+    agent = SuffixStore(tokens_per_key=10_000)
+    agent.learn(Seq("A", list(range(1000, 3000)), prompt=1900))
+    assert agent.stats()["tokens"] == PROMPT_TAIL + 100
+    assert agent.reader("A").propose([2890, 2891], 3).tokens == [2892, 2893]
+    assert agent.reader("A").propose([1000, 1001], 3) is None
+    # and its suffix drafts' verifies teach the key's index how far to trust itself
+    wrong = Seq("A", [7, 8, 9, 10, 11])
+    wrong.spec.record(SUFFIX, 4, 0)
+    wrong.spec.record(SUFFIX, 4, 2)
+    agent.learn(wrong)
+    assert (agent.indexes["A"].drafts, agent.indexes["A"].first_accepted) == (2, 1)
 
 
 async def test_another_key_asking_the_same_gets_no_suffix_drafts(tiny_model_dir, reference):
@@ -190,7 +205,7 @@ async def test_another_key_asking_the_same_gets_no_suffix_drafts(tiny_model_dir,
     try:
         async with make_client(scheduler, api_keys=("key-a", "key-b")) as client:
 
-            async def ask(key: str) -> dict:
+            async def ask(key: str, **overrides) -> dict:
                 response = await client.post(
                     "/v1/chat/completions",
                     json={
@@ -199,6 +214,7 @@ async def test_another_key_asking_the_same_gets_no_suffix_drafts(tiny_model_dir,
                         "temperature": 0,
                         "ignore_eos": True,
                         "tandem_token_sources": True,
+                        **overrides,
                     },
                     headers={"Authorization": f"Bearer {key}"},
                 )
@@ -211,6 +227,7 @@ async def test_another_key_asking_the_same_gets_no_suffix_drafts(tiny_model_dir,
             auth = {"Authorization": "Bearer key-a"}
             stats = (await client.get("/v1/stats", headers=auth)).json()
             metrics = (await client.get("/metrics", headers=auth)).text
+            no_lookup = await ask("key-a", enable_pld=False)  # a request's own switch
     finally:
         scheduler.stop()
     text = first["choices"][0]["message"]["content"]
@@ -223,6 +240,8 @@ async def test_another_key_asking_the_same_gets_no_suffix_drafts(tiny_model_dir,
     sources = [token["source"] for token in again["token_sources"]]
     assert sources.count(SUFFIX) == suffix["accepted_tokens"]
     assert SUFFIX not in {token["source"] for token in other["token_sources"]}
+    assert SUFFIX not in no_lookup["speculation"]["by_method"]
+    assert no_lookup["choices"][0]["message"]["content"] == text
     index = stats["speculation"]["suffix_index"]
     assert index["keys"] == 2 and index["sequences"] == 3 and index["tokens"] > 3 * 48
     assert stats["speculation"]["by_method"][SUFFIX]["accepted_tokens"] == suffix["accepted_tokens"]

@@ -4,8 +4,12 @@ draft length and the token bound."""
 
 from __future__ import annotations
 
+import pytest
+
 from engines.drafting.draft import SUFFIX
 from engines.drafting.suffix import MAX_OCCURRENCES, SuffixIndex, SuffixReader, match_bucket
+from engines.gating.gates import MethodGate
+from engines.gating.measured_costs import CostModel
 
 QUESTION = [11, 12, 13, 14, 15, 16, 17, 18]
 HEADER = [1, 2]  # the chat template's assistant header, the same in every request
@@ -20,6 +24,9 @@ def test_the_same_question_again_drafts_the_earlier_answer_in_full():
     assert draft is not None and draft.method == SUFFIX
     assert draft.tokens == ANSWER[:8]
     assert draft.match_length == 8  # QUESTION + HEADER agree: 10 tokens, bucket 8
+    # its estimates: one earlier answer agreeing all along, the first discounted by how
+    # far a 10-token match is to be trusted
+    assert draft.confidences == pytest.approx([10 / 12] + [1.0] * 7)
     # midway through the answer the copy goes on from where the output is
     assert index.propose([9, *QUESTION, *HEADER, *ANSWER[:4]], 3).tokens == ANSWER[4:7]
 
@@ -41,6 +48,11 @@ def test_the_most_frequent_continuation_wins_and_a_rare_branch_stops_the_draft()
     # [3, 4, 5, 6] matched in all four: 20 always, then 21 three times in four
     draft = index.propose([3, 4, 5, 6], 4)
     assert draft.tokens == [20, 21, 22, 23]
+    assert draft.confidences == pytest.approx([4 / 6, 0.75, 1.0, 1.0])
+    # a key whose suffix drafts mostly started wrong trusts its index less
+    index.learn_acceptance(drafts=8, first_accepted=1)
+    assert index.trust == pytest.approx(3 / 10)
+    assert index.propose([3, 4, 5, 6], 4).confidences == pytest.approx([0.2, 0.75, 1.0, 1.0])
     # ten ways after the same two tokens: no continuation is likely enough to draft
     spread = SuffixIndex()
     for token in range(100, 111):
@@ -105,3 +117,14 @@ def test_match_buckets_and_the_reader_only_proposes():
     reader = SuffixReader(index)
     assert reader.propose([1, 2, 3], 2).tokens == [4, 5]
     assert not hasattr(reader, "add")
+
+
+def test_a_drafts_own_estimate_is_the_gates_prior_until_its_match_length_is_verified():
+    gate = MethodGate(SUFFIX, alpha=0.5)
+    assert gate.acceptance(16, [0.9, 1.0]) == (0.9, 1.0)
+    assert gate.acceptance(16) == (0.5,)
+    gate.record(4, 1, 16, CostModel.assumed(9), match=16)  # first accepted, second not
+    # now this request's own verifies of 16-token matches rule, pulled towards the
+    # pooled rates while they are few
+    assert gate.acceptance(16, [0.9, 1.0]) == pytest.approx((7 / 9, 14 / 27))
+    assert gate.acceptance(8, [0.9, 1.0]) == (0.9, 1.0)  # another length: still its own

@@ -23,8 +23,11 @@ PROMPT = "def add(a, b):\n    return a + b\n" * 3
 @pytest.fixture(scope="module")
 def twin_scheduler(tiny_model_dir):
     """The draft is the target itself: greedy drafts are always accepted, so which
-    tokens came from the draft model is certain."""
-    scheduler = start_scheduler(tiny_model_dir, draft_model=str(tiny_model_dir))
+    tokens came from the draft model is certain (suffix decoding off: the tests ask
+    the same prompt again, which it would draft from the earlier answer)."""
+    scheduler = start_scheduler(
+        tiny_model_dir, draft_model=str(tiny_model_dir), suffix_tokens_per_key=0
+    )
     yield scheduler
     scheduler.stop()
 

@@ -71,11 +71,10 @@ def plan_rows(
         cap, pld_cap = row_cap(row, DRAFT), row_cap(row, PLD)
         caps.append(max(cap, pld_cap))
         row_options = []
-        proposal = lookup_proposal(row, pld_cap) if pld_cap > 0 else None
+        proposal, acceptance = lookup_proposal(row, pld_cap) if pld_cap > 0 else (None, ())
         if proposal is not None:
             row.drafts, row.method = proposal.tokens, proposal.method
             row.match = proposal.match_length
-            acceptance = row.gates[proposal.method].acceptance(row.match)
             row_options.append(RowOption(acceptance, len(proposal.tokens), False))
         if cap > 0 and DRAFT in row.gates and model_drafter is not None:
             row_options.append(RowOption(row.gates[DRAFT].acceptance(), cap, True))
@@ -93,11 +92,12 @@ def plan_rows(
     return plan
 
 
-def lookup_proposal(row: BatchRow, cap: int) -> Draft | None:
-    """The row's better lookup proposal by expected committed tokens at its gate's
-    acceptance for its match length: prompt lookup's (its own context; it wins a tie)
-    or the suffix drafter's (its key's earlier requests). A suffix gate with nothing to
-    propose rests a few tokens."""
+def lookup_proposal(row: BatchRow, cap: int) -> tuple[Draft | None, tuple[float, ...]]:
+    """The row's better lookup proposal and its acceptance, by expected committed
+    tokens at its gate's acceptance for its match length (a suffix draft's own
+    estimate for a match length not yet verified): prompt lookup's (its own context; it
+    wins a tie) or the suffix drafter's (its key's earlier requests). A suffix gate with
+    nothing to propose rests a few tokens."""
     candidates = []
     if PLD in row.gates:
         candidates.append(row.pld.propose(row.tokens, cap))
@@ -107,16 +107,16 @@ def lookup_proposal(row: BatchRow, cap: int) -> Draft | None:
         if suffix is None:
             gate.rest()
         candidates.append(suffix)
-    best, best_gain = None, 0.0
+    best, best_acceptance, best_gain = None, (), 0.0
     for draft in candidates:
         if draft is None:
             continue
-        gain = expected_tokens(
-            row.gates[draft.method].acceptance(draft.match_length), len(draft.tokens)
-        )
+        gate = row.gates[draft.method]
+        acceptance = gate.acceptance(draft.match_length, draft.confidences or None)
+        gain = expected_tokens(acceptance, len(draft.tokens))
         if gain > best_gain:
-            best, best_gain = draft, gain
-    return best
+            best, best_acceptance, best_gain = draft, acceptance, gain
+    return best, best_acceptance
 
 
 def choose_row_method(row: BatchRow, options: list[RowOption], k: int, with_model: bool) -> None:

@@ -19,6 +19,12 @@ context, and what followed them, most often first.
   `MIN_PROBABILITY`, for at most `FACTOR` x the match length tokens (a long match earns
   a long draft, a two-token match a short one). The deepest node and a few shallower,
   more frequent ones are tried; the draft with the most expected accepted tokens wins.
+  Each drafted token carries its estimate (`Draft.confidences`): its frequency among
+  the occurrences still agreeing, the first one discounted by a shallow match's
+  weakness (`depth / (depth + 2)`: a two-token match is a coin flip, a 64-token match
+  nearly sure) and by how often this key's suffix drafts had their first token
+  accepted (`trust`, learned from its finished requests). The gate takes them as its
+  prior for a match length it has not yet seen verified (`engines.gating.gates`).
 * **Bounds.** The index holds at most `max_tokens` tokens; the oldest sequence is
   evicted first, and each n-gram keeps its latest `MAX_OCCURRENCES` positions.
 
@@ -61,6 +67,19 @@ class SuffixIndex:
         self.tokens = 0  # held, over all sequences
         self.added = 0  # sequences ever added (the next id)
         self.evicted = 0  # sequences evicted to stay within max_tokens
+        self.drafts = 0  # suffix drafts this key's finished requests verified
+        self.first_accepted = 0  # of which the first token was accepted
+
+    @property
+    def trust(self) -> float:
+        """How often this key's suffix drafts had their first token accepted, starting
+        from two pseudo-drafts that were (a new key's index is trusted)."""
+        return (self.first_accepted + 2) / (self.drafts + 2)
+
+    def learn_acceptance(self, drafts: int, first_accepted: int) -> None:
+        """A finished request's suffix drafts: how many, how many started right."""
+        self.drafts += drafts
+        self.first_accepted += first_accepted
 
     def add(self, tokens: list[int]) -> None:
         """Index a finished sequence (prompt and output); the oldest go beyond the bound.
@@ -109,17 +128,18 @@ class SuffixIndex:
             (self._agreement(context, occurrence), occurrence)
             for occurrence in reversed(occurrences[-MAX_CANDIDATES:])
         ]
-        best: tuple[float, int, list[int]] | None = None
+        best: tuple[float, int, list[int], list[float]] | None = None
         for depth in sorted({length for length, _ in matched}, reverse=True)[:LEVELS]:
             node = [occurrence for length, occurrence in matched if length >= depth]
             limit = min(k, max(1, int(FACTOR * depth)))
-            score, tokens = self._grow(node, limit)
+            score, tokens, rates = self._grow(node, limit)
             if tokens and (best is None or score > best[0]):
-                best = (score, depth, tokens)
+                best = (score, depth, tokens, rates)
         if best is None:
             return None
-        _, depth, tokens = best
-        return Draft(SUFFIX, tokens, None, match_length=match_bucket(depth))
+        _, depth, tokens, rates = best
+        rates[0] *= depth / (depth + 2) * self.trust  # a match this long, from this key
+        return Draft(SUFFIX, tokens, None, match_bucket(depth), confidences=rates)
 
     def _agreement(self, context: list[int], occurrence: int) -> int:
         """How many tokens before the occurrence agree with the end of the context (at
@@ -132,10 +152,12 @@ class SuffixIndex:
             length += 1
         return length
 
-    def _grow(self, node: list[int], limit: int) -> tuple[float, list[int]]:
-        """(expected accepted tokens, draft): the most frequent continuation of the
-        node's occurrences, token by token, while its probability stays high enough."""
+    def _grow(self, node: list[int], limit: int) -> tuple[float, list[int], list[float]]:
+        """(expected accepted tokens, draft, each token's frequency among the
+        occurrences that agreed up to it): the most frequent continuation of the node's
+        occurrences, token by token, while its probability stays high enough."""
         tokens: list[int] = []
+        rates: list[float] = []
         score, probability = 0.0, 1.0
         positions = [(self.sequences[o >> SHIFT], o & MASK) for o in node]
         while len(tokens) < limit and positions:
@@ -146,10 +168,11 @@ class SuffixIndex:
             probability *= count / len(positions)
             if probability < MIN_PROBABILITY:
                 break
+            rates.append(count / len(positions))
             tokens.append(token)
             score += probability
             positions = [(s, at + 1) for s, at in positions if at < len(s) and s[at] == token]
-        return score, tokens
+        return score, tokens, rates
 
     def stats(self) -> dict[str, int]:
         return {

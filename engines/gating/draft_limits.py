@@ -61,7 +61,9 @@ class DraftLimits:
                 seq.spec.trip("prompt")
                 self.totals.trip("prompt")
             gates[PLD] = gate
-        if seq.suffix is not None:  # its key's earlier requests (`engines.drafting.suffix`)
+        # its key's earlier requests (`engines.drafting.suffix`); a request's
+        # enable_pld=false turns off both lookup drafters (they copy tokens from text)
+        if seq.suffix is not None and overrides.enable_pld is not False:
             gates[SUFFIX] = MethodGate(SUFFIX, alpha=0.5)
         if self.has_model_drafter and overrides.enable_draft is not False:
             gates[DRAFT] = MethodGate(DRAFT, alpha=0.6)

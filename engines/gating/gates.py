@@ -133,7 +133,7 @@ class MethodGate:
     min_outcomes: int = 8
     idle: int = 0  # plain tokens an open gate sits out: it had nothing to propose (`rest`)
 
-    def acceptance(self, match: int = 0) -> tuple[float, ...]:
+    def acceptance(self, match: int = 0, prior: Acceptance | None = None) -> tuple[float, ...]:
         """Per-position acceptance a_1, a_2, ...: each position's running rate, pulled
         towards the estimate of the position before it (the first: towards the prior)
         while it has few observations. A position rarely reached -- drafts are seldom
@@ -143,9 +143,13 @@ class MethodGate:
         pulled towards the pooled a_1: on code edits a three-token match's draft was
         accepted at 90% at every position, a one-token match's first token at 20%, and
         rates pooled past the first position drafted weak matches long and strong
-        ones short."""
+        ones short. `prior`: the drafter's own estimate for this draft (a suffix draft's
+        frequencies in the key's earlier requests), used for a match length this
+        request has not yet verified."""
         pooled = _chained(self.rates, self.reached, self.alpha) or (self.alpha,)
         if match not in self.by_match:
+            if prior:
+                return (prior,) if isinstance(prior, int | float) else tuple(prior)
             return pooled
         rates, reached = self.by_match[match]
         return _chained(rates, reached, pooled[0]) or pooled
@@ -160,6 +164,7 @@ class MethodGate:
         measured: Measured | None = None,
         match: int = 0,
         trusted: bool = False,
+        prior: Acceptance | None = None,
     ) -> int:
         """How many tokens to draft this step (0 = do not draft with this method). An open
         gate that finds no k worth drafting for any match length closes, so the steps
@@ -167,7 +172,7 @@ class MethodGate:
         would cost every step its pipelining and gather no evidence. (One weak match
         that does not pay is skipped without closing.)"""
         if self.open:
-            k = self.open_length(k_max, cost, measured, match, trusted)
+            k = self.open_length(k_max, cost, measured, match, trusted, prior)
             if k == 0 and not self._pays(k_max, cost, measured, trusted):
                 self.open, self.cooldown = False, self.backoff
             return k
@@ -189,6 +194,7 @@ class MethodGate:
         measured: Measured | None,
         match: int = 0,
         trusted: bool = False,
+        prior: Acceptance | None = None,
     ) -> int:
         """The predicted best k, unless what was measured says otherwise (`measured`:
         drafting with this method against plain steps as served, None until both were
@@ -201,7 +207,7 @@ class MethodGate:
         in a row (common at 50-60% acceptance) say little about the next tokens, and a
         gate that closed on them lost 10-20% against mlx-lm's fixed k."""
         calibration = measured.calibration if measured else None
-        acceptance = self.acceptance(match)
+        acceptance = self.acceptance(match, prior)
         if measured is not None and measured.speedup < MEASURED_SLOWER:
             return 0
         predicted = best_draft_length(acceptance, k_max, cost, self.method, calibration)

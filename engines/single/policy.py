@@ -109,7 +109,8 @@ class SingleStreamPolicy:
     def lookup_gain(self, active: Active, draft: Draft) -> float:
         """A lookup draft's expected speed-up over plain steps, by its gate's acceptance
         at its match length."""
-        acceptance = active.gates[draft.gate].acceptance(draft.match_length)
+        gate = active.gates[draft.gate]
+        acceptance = gate.acceptance(draft.match_length, draft.confidences or None)
         return speedup(acceptance, len(draft.tokens), self.costs.model(), draft.method)
 
     def better_lookup(
@@ -125,8 +126,8 @@ class SingleStreamPolicy:
 
     def propose_suffix(self, active: Active, k_max: int) -> Draft | None:
         """The suffix drafter's proposal from the key's earlier requests, cut to the
-        length its gate finds worth verifying; with nothing to propose, an open gate
-        rests a few tokens (plain steps then pipeline) and a closed one waits."""
+        length its gate finds worth verifying; with nothing worth proposing, an open
+        gate rests a few tokens (plain steps then pipeline) and a closed one waits."""
         gate = active.gates[SUFFIX]
         if not gate.due:
             return None
@@ -137,10 +138,14 @@ class SingleStreamPolicy:
             else:
                 gate.postpone()
             return None
-        k = gate.draft_length(k_max, self.costs.model(), None, draft.match_length)
-        if k == 0:
+        k = gate.draft_length(
+            k_max, self.costs.model(), None, draft.match_length, prior=draft.confidences
+        )
+        if k == 0:  # a weak match: look again a little later, pipelining meanwhile
+            if gate.open:
+                gate.rest(2)
             return None
-        draft.tokens = draft.tokens[:k]
+        draft.tokens, draft.confidences = draft.tokens[:k], draft.confidences[:k]
         return draft
 
     def propose_pld(self, active: Active, k_max: int) -> Draft | None:
@@ -169,7 +174,7 @@ class SingleStreamPolicy:
         """A verify's outcome: the drafter's calibration, the counters, and the gate,
         which may close (a runtime trip)."""
         k = len(draft.tokens)
-        if draft.confidences:
+        if draft.confidences and draft.gate == DRAFT:  # the model drafter's calibration
             self.confidence.observe(draft.confidences, accepted)
         active.seq.spec.record(draft.method, k, accepted)
         self.limits.totals.record(draft.method, k, accepted)

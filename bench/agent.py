@@ -34,6 +34,7 @@ import asyncio
 import datetime
 import json
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -339,7 +340,11 @@ def run_tandem(settings: Settings, copies: list[list[Planned]], budget: Budget) 
     port = free_port()
     tandem = str(Path(sys.executable).parent / "tandem")
     command = [tandem, "serve", settings.model, "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--served-model-name", SERVED, "--log-level", "warning", *settings.tandem_flags]
+    command += ["--served-model-name", SERVED, "--log-level", "warning"]
+    # a prefix cache on disk of its own: prefixes an earlier run left there would be
+    # hits the peer, starting cold, cannot have (a later --tandem-flag can override)
+    disk = tempfile.mkdtemp(prefix="tandem-bench-agent-prefix-")
+    command += ["--prefix-cache-dir", disk, *settings.tandem_flags]
     log = Path(tempfile.gettempdir()) / f"tandem-bench-agent-{port}.log"
     proc = start_tandem(command, port, log)
     shown = ["tandem", "serve", settings.model, *settings.tandem_flags]
@@ -351,6 +356,7 @@ def run_tandem(settings: Settings, copies: list[list[Planned]], budget: Budget) 
         asyncio.run(run_levels(base, side, copies, budget))
     finally:
         stop_server(proc)
+        shutil.rmtree(disk, ignore_errors=True)
     return side
 
 

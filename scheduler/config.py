@@ -49,10 +49,10 @@ class SchedulerConfig:
     prefix_cache_dir: str | None = None
     prefix_cache_disk_bytes: int = 0
     # Suffix decoding (scheduler/suffix_store.py): each API key's recent requests, at
-    # most this many tokens per key and this many keys, draft for its new requests
-    # (0: off).
+    # most this many tokens per key (about 110 bytes each) and this many keys, draft
+    # for its new requests (0: off).
     suffix_tokens_per_key: int = 1 << 16
-    suffix_max_keys: int = 64
+    suffix_max_keys: int = 32
     # KV memory of running requests and the prefix cache together (--max-kv-gb);
     # None: a share of the machine's memory (scheduler/kv_budget.py)
     max_kv_bytes: int | None = None

@@ -26,14 +26,14 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from engines.drafting.draft import SUFFIX
-from engines.drafting.suffix import MAX_MATCH, SuffixIndex, SuffixReader
+from engines.drafting.suffix import BYTES_PER_TOKEN, MAX_MATCH, SuffixIndex, SuffixReader
 from engines.sequence import Sequence
 
 PROMPT_TAIL = 4 * MAX_MATCH  # prompt tokens indexed before each output
 
 
 class SuffixStore:
-    def __init__(self, tokens_per_key: int = 1 << 16, max_keys: int = 64) -> None:
+    def __init__(self, tokens_per_key: int = 1 << 16, max_keys: int = 32) -> None:
         self.tokens_per_key = tokens_per_key
         self.max_keys = max_keys
         self.indexes: OrderedDict[str, SuffixIndex] = OrderedDict()  # least recent first
@@ -85,6 +85,7 @@ class SuffixStore:
             "keys": len(indexes),
             "sequences": sum(len(index.sequences) for index in indexes),
             "tokens": sum(index.tokens for index in indexes),
+            "bytes": sum(index.tokens for index in indexes) * BYTES_PER_TOKEN,  # estimated
             "evicted_sequences": sum(index.evicted for index in indexes),
             "retired_keys": self.retired_keys,
             "tokens_per_key": self.tokens_per_key,

@@ -79,13 +79,13 @@ def add_speculation_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1 << 16,
         metavar="N",
-        help="suffix decoding: each API key's recent requests, at most N tokens a key, draft "
-        "for its new requests, never another key's (0 disables)",
+        help="suffix decoding: each API key's recent requests, at most N tokens a key (about "
+        "110 bytes each), draft for its new requests, never another key's (0 disables)",
     )
     parser.add_argument(
         "--suffix-max-keys",
         type=int,
-        default=64,
+        default=32,
         metavar="K",
         help="suffix decoding keeps the indexes of at most K API keys (least recently used "
         "retired first)",

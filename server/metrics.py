@@ -103,7 +103,7 @@ DRAFT_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 METHODS = ("draft", "mtp", "pld", "suffix")
-SUFFIX_KINDS = ("keys", "sequences", "tokens")  # tandem_suffix_index, summed over keys
+SUFFIX_KINDS = ("keys", "sequences", "tokens", "bytes")  # tandem_suffix_index, over keys
 GATES = ("prompt", "runtime")
 SKIPPED_TOOL_SURFACES = ("messages", "responses")
 MEMORY_KINDS = ("active", "cache", "peak")
@@ -469,7 +469,8 @@ def _suffix_metrics(m: str, stats: dict[str, int]) -> Iterator:
     at most --suffix-max-keys keys) and what was evicted to stay within it."""
     size = GaugeMetricFamily(
         "tandem_suffix_index",
-        "Suffix decoding indexes, summed over API keys: keys, sequences and tokens held.",
+        "Suffix decoding indexes, summed over API keys: keys, sequences and tokens held, "
+        "and their bytes (estimated from the tokens).",
         labels=["model_name", "kind"],
     )
     for kind in SUFFIX_KINDS:

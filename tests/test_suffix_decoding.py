@@ -251,4 +251,5 @@ async def test_another_key_asking_the_same_gets_no_suffix_drafts(tiny_model_dir,
     assert accepted == suffix["accepted_tokens"]
     assert value(scraped, "tandem_suffix_index", kind="sequences") == 3
     assert value(scraped, "tandem_suffix_index", kind="tokens") == index["tokens"]
+    assert value(scraped, "tandem_suffix_index", kind="bytes") == index["bytes"] > 0
     assert value(scraped, "tandem_drafter_active", drafter=SUFFIX) == 1.0

@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 
 from engines.drafting.draft import SUFFIX
-from engines.drafting.suffix import MAX_OCCURRENCES, SuffixIndex, SuffixReader, match_bucket
+from engines.drafting.suffix import (
+    BYTES_PER_TOKEN,
+    MAX_OCCURRENCES,
+    SuffixIndex,
+    SuffixReader,
+    gram_key,
+    match_bucket,
+)
 from engines.gating.gates import MethodGate
 from engines.gating.measured_costs import CostModel
 
@@ -85,10 +92,16 @@ def test_the_index_holds_at_most_its_tokens_and_evicts_the_oldest_first():
     index.add([41, 42, 43, 44, 45, 46, 47, 48, 49, 50])
     assert index.stats()["tokens"] == 30
     index.add([61, 62, 63, 64, 65])
-    assert index.stats() == {"sequences": 3, "tokens": 25, "grams": 19, "evicted_sequences": 1}
+    assert index.stats() == {
+        "bytes": 25 * BYTES_PER_TOKEN,
+        "sequences": 3,
+        "tokens": 25,
+        "grams": 19,
+        "evicted_sequences": 1,
+    }
     assert index.propose([1, 2, 3], 4) is None  # the oldest is gone, its grams too
     assert index.propose([21, 22, 23], 2).tokens == [24, 25]
-    assert all((1, 2) != gram for gram in index.grams)
+    assert gram_key([1, 2], 2) not in index.grams
     index.add(list(range(200, 260)))  # longer than the bound: only its last 30 tokens
     assert index.stats()["tokens"] == 30 and len(index.sequences) == 1
     assert index.propose([231, 232], 2).tokens == [233, 234]
@@ -100,14 +113,14 @@ def test_a_frequent_gram_keeps_only_its_latest_occurrences():
     index = SuffixIndex(max_tokens=1 << 20)
     for i in range(MAX_OCCURRENCES + 10):
         index.add([5, 5, 1000 + i])
-    assert len(index.grams[(5, 5)]) == MAX_OCCURRENCES
+    assert len(index.grams[gram_key([5, 5], 2)]) == MAX_OCCURRENCES
     # eviction of sequences whose occurrences were already dropped keeps the rest
     small = SuffixIndex(max_tokens=3 * (MAX_OCCURRENCES + 1))
     for i in range(MAX_OCCURRENCES + 10):
         small.add([5, 5, 1000 + i])
     assert len(small.sequences) == MAX_OCCURRENCES + 1
-    assert len(small.grams[(5, 5)]) == MAX_OCCURRENCES
-    assert all(o >> 32 in small.sequences for o in small.grams[(5, 5)])
+    assert len(small.grams[gram_key([5, 5], 2)]) == MAX_OCCURRENCES
+    assert all(o >> 32 in small.sequences for o in small.grams[gram_key([5, 5], 2)])
 
 
 def test_match_buckets_and_the_reader_only_proposes():

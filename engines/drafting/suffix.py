@@ -26,7 +26,9 @@ context, and what followed them, most often first.
   accepted (`trust`, learned from its finished requests). The gate takes them as its
   prior for a match length it has not yet seen verified (`engines.gating.gates`).
 * **Bounds.** The index holds at most `max_tokens` tokens; the oldest sequence is
-  evicted first, and each n-gram keeps its latest `MAX_OCCURRENCES` positions.
+  evicted first, and each n-gram keeps its latest `MAX_OCCURRENCES` positions. A token
+  costs about `BYTES_PER_TOKEN` held (its sequence as 32-bit ints; an n-gram key packed
+  in one int; an occurrence, a bare int for an n-gram seen once): 7 MB for 65536.
 
 Everything is ints and dicts: no MLX. One index belongs to one API key
 (`scheduler.suffix_store`): a request only ever reads its own key's, so another key's
@@ -36,11 +38,12 @@ drafts: the target verifies every token.
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter, OrderedDict
 
 from engines.drafting.draft import SUFFIX, Draft
 
-GRAM = 2  # tokens a position is indexed by (the shortest match)
+GRAM = 2  # tokens a position is indexed by (the shortest match; `gram_key` packs them)
 MAX_MATCH = 64  # a match is extended backwards at most this far
 MAX_OCCURRENCES = 128  # latest positions kept per n-gram
 MAX_CANDIDATES = 48  # latest occurrences extended backwards per lookup
@@ -49,6 +52,12 @@ MIN_PROBABILITY = 0.1  # a draft stops where its estimated probability falls bel
 FACTOR = 1.0  # the longest draft: this times the match length
 SHIFT = 32  # an occurrence is `sequence id << SHIFT | position`
 MASK = (1 << SHIFT) - 1
+BYTES_PER_TOKEN = 110  # measured with tracemalloc on 65536 tokens of a Zipf-like stream
+
+
+def gram_key(tokens, end: int) -> int:
+    """The two tokens before `end`, packed in one int (a dict key half a tuple's size)."""
+    return tokens[end - 2] << SHIFT | tokens[end - 1]
 
 
 def match_bucket(length: int) -> int:
@@ -62,8 +71,9 @@ class SuffixIndex:
 
     def __init__(self, max_tokens: int = 1 << 16) -> None:
         self.max_tokens = max_tokens
-        self.sequences: OrderedDict[int, list[int]] = OrderedDict()  # oldest first
-        self.grams: dict[tuple[int, ...], list[int]] = {}  # gram -> occurrences, oldest first
+        self.sequences: OrderedDict[int, array] = OrderedDict()  # oldest first
+        # gram_key -> its occurrence, or its occurrences oldest first
+        self.grams: dict[int, int | list[int]] = {}
         self.tokens = 0  # held, over all sequences
         self.added = 0  # sequences ever added (the next id)
         self.evicted = 0  # sequences evicted to stay within max_tokens
@@ -84,7 +94,7 @@ class SuffixIndex:
     def add(self, tokens: list[int]) -> None:
         """Index a finished sequence (prompt and output); the oldest go beyond the bound.
         A sequence longer than the bound keeps its last `max_tokens` tokens."""
-        tokens = list(tokens[-self.max_tokens :]) if self.max_tokens > 0 else []
+        tokens = array("i", tokens[-self.max_tokens :] if self.max_tokens > 0 else [])
         if len(tokens) <= GRAM:
             return
         while self.sequences and self.tokens + len(tokens) > self.max_tokens:
@@ -93,21 +103,32 @@ class SuffixIndex:
         self.added += 1
         self.sequences[sid] = tokens
         self.tokens += len(tokens)
+        grams = self.grams
         for end in range(GRAM, len(tokens)):  # the gram tokens[end-GRAM:end] continues at end
-            occurrences = self.grams.setdefault(tuple(tokens[end - GRAM : end]), [])
-            occurrences.append(sid << SHIFT | end)
-            if len(occurrences) > MAX_OCCURRENCES:
-                del occurrences[0]
+            key, occurrence = gram_key(tokens, end), sid << SHIFT | end
+            held = grams.get(key)
+            if held is None:  # most grams occur once: the int itself, no list
+                grams[key] = occurrence
+            elif isinstance(held, int):
+                grams[key] = [held, occurrence]
+            else:
+                held.append(occurrence)
+                if len(held) > MAX_OCCURRENCES:
+                    del held[0]
 
     def _evict_oldest(self) -> None:
         sid, tokens = self.sequences.popitem(last=False)
         self.tokens -= len(tokens)
         self.evicted += 1
         for end in range(GRAM, len(tokens)):
-            gram = tuple(tokens[end - GRAM : end])
+            gram = gram_key(tokens, end)
             occurrences = self.grams.get(gram)
             if occurrences is None:
                 continue  # already emptied by an earlier position of this sequence
+            if isinstance(occurrences, int):
+                if occurrences >> SHIFT <= sid:
+                    del self.grams[gram]
+                continue
             drop = 0
             while drop < len(occurrences) and occurrences[drop] >> SHIFT <= sid:
                 drop += 1
@@ -121,9 +142,11 @@ class SuffixIndex:
         index (its match length bucketed as `match_length`), or None."""
         if k <= 0 or len(context) < GRAM:
             return None
-        occurrences = self.grams.get(tuple(context[-GRAM:]))
-        if not occurrences:
+        occurrences = self.grams.get(gram_key(context, len(context)))
+        if occurrences is None:
             return None
+        if isinstance(occurrences, int):
+            occurrences = [occurrences]
         matched = [
             (self._agreement(context, occurrence), occurrence)
             for occurrence in reversed(occurrences[-MAX_CANDIDATES:])
@@ -176,6 +199,7 @@ class SuffixIndex:
 
     def stats(self) -> dict[str, int]:
         return {
+            "bytes": self.tokens * BYTES_PER_TOKEN,  # an estimate
             "sequences": len(self.sequences),
             "tokens": self.tokens,
             "grams": len(self.grams),

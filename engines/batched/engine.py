@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -48,8 +49,10 @@ from engines.batched.costs import BatchCosts, BatchPlan
 from engines.batched.drafting import BatchRow, DraftModelRows, plan_rows
 from engines.batched.membership import BatchMembership
 from engines.batched.mtp import BatchedMTP
+from engines.batched.packed_forward import ChunkFeed, supports_packing
 from engines.batched.pipeline import Cadence, InFlight, queue_plain
 from engines.batched.prefill_groups import PrefillGroup, prefill_next
+from engines.batched.prefill_pacing import PrefillPacer
 from engines.batched.step_plan import StepKind, plan_step
 from engines.batched.verify import accept_rows, commit_row, process_rows
 from engines.cache.ragged_cache import RaggedKVCache
@@ -105,6 +108,14 @@ class BatchedSpeculativeEngine(BatchMembership):
         # next `step`, `settle` or `hand_over`
         self._result = StepResult()
         self.cadence = Cadence()  # host time between steps, plain steps as served
+        self.pacer = PrefillPacer(prefill_step_size)  # chunk sizes beside decoding rows
+        # a prefill chunk rides in the rows' verify forward (`packed_forward`)
+        self.packing = (
+            self.mtp is None
+            and registry.lockstep is None
+            and not self.recurrent
+            and supports_packing(self.model)
+        )
 
     def _model_drafter(
         self, speculative: SpeculativeEngine, chunk: int
@@ -141,6 +152,7 @@ class BatchedSpeculativeEngine(BatchMembership):
             self._last,
             self._plan,
             self.costs.plain_probe_due,  # a plain step to measure, not a run
+            carry=self.packing,
         )
         self._last = plan.kind
         if plan.kind == StepKind.COMMIT:
@@ -149,6 +161,8 @@ class BatchedSpeculativeEngine(BatchMembership):
             return self._prefill_chunk()
         if plan.kind == StepKind.PIPELINE:
             return self._start_pipeline()
+        if plan.kind == StepKind.VERIFY and plan.carry:
+            return self._carrying_step(plan.batch, started)
         if plan.kind == StepKind.VERIFY:
             return self._drafting_step(plan.batch, started, len(self.rows))
         return []
@@ -220,11 +234,15 @@ class BatchedSpeculativeEngine(BatchMembership):
         """A plain step's cost as served (`Cadence.plain_step`), for the batch costs."""
         seconds = self.cadence.plain_step(time.perf_counter(), queued)
         if seconds is not None:
+            self.pacer.observe_decode(seconds)
             self.costs.observe_target(rows, seconds)
             self.costs.observe_outcome(rows, self.costs.plain_plan(rows), committed, seconds)
 
-    def _drafting_step(self, plan: BatchPlan, started: float, rows: int) -> list[StepOutput]:
-        """A verify of the plan's drafts (or an unpipelined plain step), timed."""
+    def _drafting_step(
+        self, plan: BatchPlan, started: float, rows: int, forward: Callable | None = None
+    ) -> list[StepOutput]:
+        """A verify of the plan's drafts (or an unpipelined plain step), timed; a
+        `forward` that carries a prefill chunk makes it a step that measures nothing."""
         k = plan.k
         if plan.with_model:
             drafting = time.perf_counter()
@@ -233,13 +251,55 @@ class BatchedSpeculativeEngine(BatchMembership):
             self._result.forward_seconds += seconds
             if steady and forwards:  # a long catch-up is not what each drafted token costs
                 self.costs.observe_draft(len(self.rows), seconds / forwards)
-        outputs = self._verify(k)
+        outputs = self._verify(k, forward)
+        if forward is not None:
+            return outputs
         committed = sum(len(output.token_ids) for output in outputs)
         # judged like a plain step's cadence (from the previous step's return, so the
         # caller's host work counts), or drafting that loses as served would look cheap
         seconds = time.perf_counter() - started + self.cadence.host_seconds
         self.costs.observe_outcome(rows, plan, committed, seconds)
+        self.pacer.observe_decode(seconds)
         return outputs
+
+    def _carrying_step(self, plan: BatchPlan, started: float) -> list[StepOutput]:
+        """The rows' verify (as `plan` drafts it) with one chunk of the next prefill
+        group packed into its forward: the rows wait for one forward a little wider than
+        their own, not for a chunk and then their step. The chunk's size keeps that
+        forward within the pacer's budget."""
+        carried: list = []  # what the prefill returned: (joining rows, outputs)
+        feed = ChunkFeed()
+
+        def forward(inputs: mx.array) -> mx.array:
+            began, lengths = time.perf_counter(), list(self.cache[0].held)
+            feed.inputs, feed.cache = inputs, self.cache
+            checkpoints = self._result.checkpoints if self.checkpoint_prompts else None
+            carried.append(
+                prefill_next(
+                    self.groups,
+                    self.model,
+                    self.model_drafter,
+                    self.mtp,
+                    self.pacer.next_chunk(decoding=True),
+                    checkpoints,
+                    self.contain,
+                    feed,
+                )
+            )
+            self._result.forward_seconds += time.perf_counter() - began
+            if feed.logits is not None:
+                return feed.logits
+            for layer in self.cache:  # the chunk failed before or in its forward
+                layer.set_lengths(lengths)
+            return self.model(inputs, cache=self.cache)
+
+        outputs = self._drafting_step(plan, started, len(self.rows), forward)
+        if feed.logits is not None:
+            self.pacer.observe(feed.tokens, time.perf_counter() - started, packed=True)
+        if not carried:  # the verify failed before its forward
+            return outputs
+        joining, prefilled = carried[0]
+        return prefilled + outputs + self._join_prefilled(joining, prefilled)
 
     def _prefill_chunk(self) -> list[StepOutput]:
         """One chunk of every prompt in a group (`_next_group`; target and draft caches).
@@ -248,32 +308,42 @@ class BatchedSpeculativeEngine(BatchMembership):
         first token is the prefill plus one token) and joins the batch."""
         started = time.perf_counter()
         checkpoints = self._result.checkpoints if self.checkpoint_prompts else None
+        feed, decoding = ChunkFeed(), bool(self.rows)
         try:
             joining, outputs = prefill_next(
                 self.groups,
                 self.model,
                 self.model_drafter,
                 self.mtp,
-                self.prefill_step_size,
+                self.pacer.next_chunk(decoding),
                 checkpoints,
                 self.contain,
+                feed,
             )
         finally:
-            self._result.forward_seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self._result.forward_seconds += seconds
+        if decoding:
+            self.pacer.observe(feed.tokens, seconds, packed=False)
+        return outputs + self._join_prefilled(joining, outputs)
+
+    def _join_prefilled(self, joining, outputs: list[StepOutput]) -> list[StepOutput]:
+        """Rows whose prompts are in (`prefill_next`'s `joining`, None: none) join the
+        batch; those its `outputs` finished leave it again. Returns failures joining."""
         if joining is None:
-            return outputs
+            return []
         joined, (rows, cache, draft) = len(self.rows), joining
         try:
             self._merge(rows, cache, draft)
         except Exception as exc:  # noqa: BLE001 - the joining rows fail, the batch goes on
             if not self.contain:
                 raise
-            return outputs + failed_outputs(rows, exc, "joining the batch")
+            return failed_outputs(rows, exc, "joining the batch")
         done = {o.request_id for o in outputs if o.finish_reason is not None}
         self._release(
             [i for i in range(joined, len(self.rows)) if self.rows[i].seq.request_id in done]
         )
-        return outputs
+        return []
 
     # ---- planning -----------------------------------------------------------------------
 
@@ -294,7 +364,7 @@ class BatchedSpeculativeEngine(BatchMembership):
 
     # ---- verification -----------------------------------------------------------------
 
-    def _verify(self, k: int) -> list[StepOutput]:
+    def _verify(self, k: int, forward: Callable | None = None) -> list[StepOutput]:
         started = time.perf_counter()
         width = 1 + k
         fed_rows = [[row.tokens[-1], *row.drafts[:k]] for row in self.rows]
@@ -303,7 +373,10 @@ class BatchedSpeculativeEngine(BatchMembership):
         snapshot = take_snapshot(self.cache)  # None unless rows hold recurrent state
         try:
             with capturing_inputs(self.registry.target.model, self.cache, snapshot):
-                logits = self.model(inputs, cache=self.cache)
+                if forward is None:
+                    logits = self.model(inputs, cache=self.cache)
+                else:  # the rows' forward and a prefill chunk, packed
+                    logits = forward(inputs)
             logprobs = process_rows(self.rows, logits, fed_rows)
             decisions = accept_rows(self.rows, logprobs, fed_rows)
             check(self.rows, "verify")
@@ -320,8 +393,9 @@ class BatchedSpeculativeEngine(BatchMembership):
                 [*fed[1 : 1 + a], t] for fed, (a, t) in zip(fed_rows, decisions, strict=True)
             ]
             self.mtp.observe(self.rows, lengths, following)
-        self.costs.observe_target(len(self.rows) * width, time.perf_counter() - started)
-        self._result.forward_seconds += time.perf_counter() - started
+        if forward is None:  # a packed forward's time is not the rows' alone
+            self.costs.observe_target(len(self.rows) * width, time.perf_counter() - started)
+            self._result.forward_seconds += time.perf_counter() - started
         kept = [
             length + 1 + accepted for length, (accepted, _) in zip(lengths, decisions, strict=True)
         ]

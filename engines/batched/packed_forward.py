@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx_lm.models import llama, qwen2
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
-from engines.cache.ragged_cache import RaggedKVCache
+from engines.cache.ragged_cache import RaggedKVCache, feed_rows
 
 _BLOCKS = (llama.TransformerBlock, qwen2.TransformerBlock)
 
@@ -101,17 +101,43 @@ def _heads(x: mx.array, batch: int, length: int, count: int) -> mx.array:
     return x.reshape(batch, length, count, -1).transpose(0, 2, 1, 3)
 
 
-def feed_together(model: Any, jobs: list[tuple[list[RaggedKVCache], list[list[int]]]]) -> list:
+def feed_together(
+    model: Any, jobs: list[tuple[list[RaggedKVCache], list[list[int]] | None]], *given: mx.array
+) -> list:
     """`[feed_rows(model, cache, rows) for cache, rows in jobs]` in one packed forward:
     each job's rows fed their own tokens (padded at the end), each row's cache advanced
-    by its own count. Returns each job's logits (B, T, V), lazily."""
-    parts, lengths = [], []
+    by its own count. A job whose rows are None is fed the next of `given` (B, T) as
+    `model(inputs, cache=cache)` would be. Returns each job's logits (B, T, V), lazily."""
+    parts, lengths, supplied = [], [], iter(given)
     for cache, rows in jobs:
+        if rows is None:
+            parts.append((next(supplied), cache))
+            lengths.append(None)
+            continue
         width = max(1, max(len(r) for r in rows))
         parts.append((mx.array([r + [0] * (width - len(r)) for r in rows]), cache))
         lengths.append([held + len(r) for held, r in zip(cache[0].held, rows, strict=True)])
     logits = packed_logits(model, parts)
     for (cache, _), new in zip(jobs, lengths, strict=True):
-        for layer in cache:
+        for layer in cache if new is not None else ():
             layer.set_lengths(new)
     return logits
+
+
+class ChunkFeed:
+    """The target forward of a prefill chunk (`feed_rows`'s signature, for
+    `prefill_chunk`), counting the prompt tokens it feeds; given the decoding rows'
+    step (`inputs` over `cache`), the chunk's forward carries it, packed, and keeps its
+    logits (`logits`) for the rows' verify. Lives for one engine step."""
+
+    def __init__(self, inputs: mx.array | None = None, cache: list | None = None) -> None:
+        self.inputs, self.cache = inputs, cache
+        self.logits: mx.array | None = None  # the carried step's, once the chunk ran
+        self.tokens = 0  # prompt tokens fed
+
+    def __call__(self, model: Any, cache: list, rows: list[list[int]]) -> mx.array:
+        self.tokens += sum(len(r) for r in rows)
+        if self.inputs is None or self.logits is not None:
+            return feed_rows(model, cache, rows)
+        chunk, self.logits = feed_together(model, [(cache, rows), (self.cache, None)], self.inputs)
+        return chunk

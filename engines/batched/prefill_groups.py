@@ -13,6 +13,7 @@ A row whose prompt is in gets its first token from one small forward of its grou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache
 from engines.batched.containment import failed_outputs, involved
 from engines.batched.drafting import BatchRow
 from engines.batched.verify import accept_rows, commit_row, process_rows
-from engines.cache.ragged_cache import RaggedKVCache, feed_chunk, feed_rows, remove_rows
+from engines.cache.ragged_cache import RaggedKVCache, feed_rows, remove_rows
 from engines.faults import check
 from engines.request import at_checkpoint, next_checkpoint
 from engines.sequence import StepOutput
@@ -118,17 +119,27 @@ def first_tokens(
 
 
 def prefill_chunk(
-    model, drafter, mtp: BatchedMTP | None, group: PrefillGroup, chunk: int, checkpoints
+    model,
+    drafter,
+    mtp: BatchedMTP | None,
+    group: PrefillGroup,
+    chunk: int,
+    checkpoints,
+    feed: Callable = feed_rows,
 ) -> tuple[list[int], list[StepOutput]]:
     """Feed the group's rows their next `chunk` of prompt (target and draft caches,
     up to a prompt checkpoint when `checkpoints`, a list, collects them); the rows whose
-    prompts are then in get their first tokens: (their indices, outputs)."""
+    prompts are then in get their first tokens: (their indices, outputs). `feed` runs
+    the target forward (`feed_rows`'s signature): a packed one carries the decoding
+    rows' step along (`packed_forward`)."""
     before = list(group.cache[0].held)
-    targets = [
-        r.tokens[: _prefill_end(r, held, checkpoints is not None)]
+    chunks = [
+        r.tokens[held : min(_prefill_end(r, held, checkpoints is not None), held + chunk)]
         for r, held in zip(group.rows, before, strict=True)
     ]
-    after = feed_chunk(model, group.cache, targets, chunk)
+    if any(chunks):
+        feed(model, group.cache, chunks)
+    after = list(group.cache[0].held)
     if group.draft_cache is not None:
         drafter.prefill(group.rows, group.draft_cache, before, after)
     # Evaluate all of it now, so no later step's timing absorbs this prefill.
@@ -178,6 +189,7 @@ def prefill_next(
     chunk: int,
     checkpoints: list | None,
     contain: bool,
+    feed: Callable = feed_rows,
 ) -> tuple[tuple[list[BatchRow], list, list | None] | None, list[StepOutput]]:
     """One chunk of the next group (`next_group`, `prefill_chunk`): the rows whose
     prompts are then in, taken out to join the batch with their target and draft cache
@@ -187,7 +199,7 @@ def prefill_next(
     group = next_group(groups)
     group.started = True
     try:
-        ready, outputs = prefill_chunk(model, drafter, mtp, group, chunk, checkpoints)
+        ready, outputs = prefill_chunk(model, drafter, mtp, group, chunk, checkpoints, feed)
     except Exception as exc:  # noqa: BLE001 - the group's rows fail, the batch goes on
         if not contain:
             raise

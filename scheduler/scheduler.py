@@ -437,7 +437,10 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
             return None
         tracked, place = found
         if place is Place.RUNNING:
-            self._engine().cancel(request_id)
+            engine = self._engine()
+            # the cache it built is kept for a retry, stored before any later lookup
+            if engine.cancel(request_id, keep=self._reuse.cache is not None):
+                self._absorb(engine.settle())
         return tracked
 
     def _end_all(self, reason: str, also: list[TrackedRequest] = ()) -> list[TrackedRequest]:

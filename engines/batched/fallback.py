@@ -166,7 +166,8 @@ class BatchedEngine:
         """Nothing to settle: a row leaves mlx-lm's generator with what it committed."""
         return StepResult()
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, keep: bool = False) -> bool:
+        """End the request (mlx-lm's generator keeps no cache to hand on: `keep` is moot)."""
         uid = self._uids.pop(request_id, None)
         if uid is None:
             return False

@@ -160,11 +160,20 @@ class BatchMembership:
         """What a leaving row's model drafter holds: its draft state or MTP state."""
         return self.model_drafter.leave(draft_cache, rows, index) if draft_cache else (None, None)
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, keep: bool = False) -> bool:
+        """End the request; with `keep` (a client's cancel, not a failure) its cache --
+        the prompt prefilled so far, or prompt and output -- goes to the next result
+        (`released` from the batch, `checkpoints` from a prefill group), so a retry of
+        the same prompt resumes from it instead of prefilling again."""
         group, i = self._find(request_id)
         if i < 0:
             return False
         (group.rows if group else self.rows)[i].seq.finish_reason = FinishReason.CANCELLED
+        if keep and group is None:
+            self._release([i])  # leaves the batch with its cache kept
+            return True
+        if keep and group.cache[0].held[i] > 0:
+            self._result.checkpoints.append(group.extract(i))
         self._remove(group, i)
         return True
 

@@ -66,6 +66,14 @@ class PrefillGroup:
             return target
         return target and len(row.draft_fed) == len(row.tokens) - 1
 
+    def extract(self, index: int) -> SequenceState:
+        """Row `index` with a copy of what its target cache holds (a cancelled prefill,
+        kept for a retry)."""
+        cache = [layer.extract(index) for layer in self.cache]
+        if not can_trim_prompt_cache(cache):
+            mx.eval([layer.state for layer in cache])  # not views of the group's
+        return SequenceState(self.rows[index].seq, cache, self.cache[0].held[index])
+
     def checkpoints(self, before: list[int]) -> list[SequenceState]:
         """Rows whose prompt (or a checkpoint in it) was just prefilled (they held
         `before`) into caches that cannot be cut back later (recurrent state): each

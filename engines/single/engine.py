@@ -199,11 +199,14 @@ class SpeculativeEngine:
         result.outputs += outputs
         return result
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, keep: bool = False) -> bool:
+        """End the request; with `keep` (a client's cancel, not a failure) the cache of
+        what it prefilled and generated goes to the next result's `released`, so a
+        retry of the same prompt resumes from it instead of prefilling again."""
         if self.active is None or self.active.seq.request_id != request_id:
             return False
         self.active.seq.finish_reason = FinishReason.CANCELLED
-        self._release()
+        self._release(keep_cache=keep)
         return True
 
     # ---- the step ---------------------------------------------------------------

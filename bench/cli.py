@@ -10,6 +10,7 @@ tandem bench rollback MODEL     verify and rollback cost vs a plain step (recurr
 tandem bench invariance [MODEL] verify vs plain logits on this device, per dtype (exactness)
 tandem bench device [--dry-run] the prepared GPU check vs mlx_lm.server (bench/device_check.sh)
 tandem bench agent [--short]    recorded agent sessions vs mlx_lm.server at 1, 2, 4 sessions
+tandem bench prefill-sharing MODEL  a stream's gaps while a long prompt prefills (issue 42)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ IN_PROCESS = {
     "rollback",
     "invariance",
     "agent",
+    "prefill-sharing",
 }
 
 
@@ -47,6 +49,7 @@ def main(argv: list[str]) -> None:
         "invariance": "bench.batch_invariance",
         "device": "bench.device",
         "agent": "bench.agent",
+        "prefill-sharing": "bench.prefill_sharing",
     }
     if not argv or argv[0] not in commands:
         print(__doc__)

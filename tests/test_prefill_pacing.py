@@ -1,14 +1,25 @@
-"""The prefill pacer sizes chunks beside decoding rows by time (engines/batched/prefill_pacing)."""
+"""The prefill pacer sizes chunks beside decoding rows by time (engines/prefill_pacing)."""
 
 from __future__ import annotations
 
-from engines.batched.prefill_pacing import FLOOR, GAP_STEPS, PrefillPacer
+from engines.prefill_pacing import FLOOR, GAP_STEPS, LONE_FLOOR, LONE_SECONDS, PrefillPacer
 
 
-def test_a_lone_prompt_takes_the_whole_chunk() -> None:
-    pacer = PrefillPacer(ceiling=512)
+def test_a_lone_prompt_takes_chunks_of_about_two_seconds_within_the_ceiling() -> None:
+    pacer = PrefillPacer(ceiling=2048)
     assert pacer.next_chunk(decoding=False) == 512
     assert pacer.next_chunk(decoding=True) == 64
+    for _ in range(6):  # a slow machine: 20 ms a token
+        tokens = pacer.next_chunk(decoding=False)
+        pacer.observe(tokens, 0.02 * tokens, packed=False, decoding=False)
+    assert pacer.next_chunk(decoding=False) == round(LONE_SECONDS / 0.02)
+    assert pacer.next_chunk(decoding=True) == 64  # the other kind of chunk is its own
+    for _ in range(6):  # a fast one: the configured chunk
+        tokens = pacer.next_chunk(decoding=False)
+        pacer.observe(tokens, 0.0001 * tokens, packed=False, decoding=False)
+    assert pacer.next_chunk(decoding=False) == 2048
+    pacer.observe(4000, 1e6, packed=False, decoding=False)
+    assert pacer.next_chunk(decoding=False) == LONE_FLOOR
 
 
 def test_chunks_converge_to_the_gap_budget() -> None:

@@ -1,14 +1,14 @@
 """A prompt that arrives while others decode prefills inside their steps: each chunk
 rides in the decoding rows' forward (`engines/batched/packed_forward.py`), sized by the
-pacer (`prefill_pacing.py`), so no decoding row misses a step while it prefills, and
+pacer (`engines/prefill_pacing.py`), so no decoding row misses a step while it prefills, and
 every row's output is still plain greedy decoding's."""
 
 from __future__ import annotations
 
 import pytest
 
-from engines.batched.prefill_pacing import FLOOR
 from engines.batched.step_plan import StepKind
+from engines.prefill_pacing import FLOOR
 from tests.test_batched_speculation import CODE_PROMPT, PROMPTS, greedy_request, make_engines
 
 

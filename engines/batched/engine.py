@@ -52,7 +52,6 @@ from engines.batched.mtp import BatchedMTP
 from engines.batched.packed_forward import ChunkFeed, supports_packing
 from engines.batched.pipeline import Cadence, InFlight, queue_plain
 from engines.batched.prefill_groups import PrefillGroup, prefill_next
-from engines.batched.prefill_pacing import PrefillPacer
 from engines.batched.step_plan import StepKind, plan_step
 from engines.batched.verify import accept_rows, commit_row, process_rows
 from engines.cache.ragged_cache import RaggedKVCache
@@ -62,6 +61,7 @@ from engines.drafting.draft import DRAFT, LOOKUPS, MTP
 from engines.faults import check
 from engines.interface import StepResult
 from engines.model.registry import ModelRegistry
+from engines.prefill_pacing import PrefillPacer
 from engines.sequence import StepOutput
 from engines.single.engine import SpeculativeEngine
 from engines.state import SpecConfig
@@ -323,8 +323,7 @@ class BatchedSpeculativeEngine(BatchMembership):
         finally:
             seconds = time.perf_counter() - started
             self._result.forward_seconds += seconds
-        if decoding:
-            self.pacer.observe(feed.tokens, seconds, packed=False)
+        self.pacer.observe(feed.tokens, seconds, packed=False, decoding=decoding)
         return outputs + self._join_prefilled(joining, outputs)
 
     def _join_prefilled(self, joining, outputs: list[StepOutput]) -> list[StepOutput]:

@@ -44,6 +44,7 @@ from engines.gating.measured_costs import PLAIN, CostModel, OnlineCosts, Realize
 from engines.interface import StepResult, starting_state
 from engines.model.mtp import MTPStepModel, TargetParts
 from engines.model.registry import ModelRegistry
+from engines.prefill_pacing import PrefillPacer
 from engines.request import at_checkpoint, next_checkpoint
 from engines.sample.acceptance import accept_greedy
 from engines.sample.logprobs import token_logprob, token_logprobs
@@ -74,6 +75,7 @@ class SpeculativeEngine:
         self.totals = SpecStats()  # lifetime counters for /metrics
         has_drafter = registry.draft is not None or registry.mtp is not None
         self.limits = DraftLimits(config, has_drafter, self.totals)
+        self.pacer = PrefillPacer(config.prefill_step_size)  # prompt chunks sized by time
         draft_model = registry.draft.model if registry.draft else None
         # The model's own MTP head drafts when there is no draft model (one model
         # drafter at a time); it needs the target's hidden states, so forwards split.
@@ -272,7 +274,8 @@ class SpeculativeEngine:
         end = len(active.tokens) - 1
         if self.checkpoint_prompts:
             end = next_checkpoint(active.seq.request, active.cached, end)
-        chunk = mx.array(active.tokens[active.cached : end][: self.config.prefill_step_size])
+        started = time.perf_counter()
+        chunk = mx.array(active.tokens[active.cached : end][: self.pacer.next_chunk(False)])
         if self._feeds_mtp(active):
             # the MTP head sees the prompt too: each position's hidden state with the
             # token after it, fed now (not kept: a long prompt's states are large)
@@ -287,6 +290,7 @@ class SpeculativeEngine:
         if active.processors:
             active.history = mx.concat([active.history, chunk])
         active.cached += chunk.size
+        self.pacer.observe(chunk.size, time.perf_counter() - started, False, decoding=False)
         if self.checkpoint_prompts and at_checkpoint(active.seq.request, active.cached, end):
             self._checkpoint(active)
         mx.clear_cache()

@@ -1,4 +1,4 @@
-"""How many prompt tokens the next prefill chunk takes while other rows decode.
+"""How many prompt tokens the next prefill chunk takes, alone or while other rows decode.
 
 While a chunk runs, every decoding row waits for its next token (alternating, the
 rows' step follows the chunk; packed, their tokens ride in the chunk's forward,
@@ -7,9 +7,15 @@ each chunk's time near `GAP_STEPS` of the rows' measured decode step, scaling th
 chunk by how the last one's time compared (at most doubling), so that no decoding
 row's gap between tokens grows past a small multiple of its decode step. Later chunks
 of a long prompt cost more per token (attention over a longer cache); the pacer
-follows that as it goes. With no row decoding a prompt takes the engine's whole chunk.
+follows that as it goes.
 
-Owned by the engine thread (the batched engine holds one).
+A prompt prefilling alone takes chunks of about `LONE_SECONDS`: long enough that a
+chunk's fixed cost (a pass over the weights) is small beside its tokens, short enough
+that a cancel, a newcomer or a switch of engines waits for at most one such chunk (a
+fixed 2048-token chunk took about 40 s on a 2-core CPU with a 0.5B model). On a fast
+device the chunk grows to the engine's configured one.
+
+Owned by the engine thread (each engine holds one).
 """
 
 from __future__ import annotations
@@ -21,17 +27,20 @@ from dataclasses import dataclass
 # with room for the controller's misses.
 GAP_STEPS = 2.5
 FLOOR = 16  # smaller chunks cost about as much as a decode step, for almost no prompt
+LONE_SECONDS = 2.0
+LONE_FLOOR = 64  # below this a lone chunk's fixed cost starts to show
 SMOOTHING = 0.3  # weight of the newest decode step in the running estimate
 
 
 @dataclass
 class PrefillPacer:
-    ceiling: int  # the engine's prefill chunk, taken when no row decodes
+    ceiling: int  # the engine's configured prefill chunk: no chunk is larger
     chunk: int = 64  # the next chunk's size while rows decode
+    lone: int = 512  # the next chunk's size when nothing else runs
     decode_seconds: float | None = None  # a decode step without a chunk, smoothed
 
     def next_chunk(self, decoding: bool) -> int:
-        return min(self.chunk, self.ceiling) if decoding else self.ceiling
+        return min(self.chunk if decoding else self.lone, self.ceiling)
 
     def observe_decode(self, seconds: float) -> None:
         """A decode step that carried no prompt chunk took `seconds`."""
@@ -48,10 +57,17 @@ class PrefillPacer:
             return None
         return (GAP_STEPS if packed else GAP_STEPS - 1.0) * self.decode_seconds
 
-    def observe(self, tokens: int, seconds: float, packed: bool) -> None:
-        """A chunk of `tokens` beside decoding rows took `seconds`: size the next one."""
+    def observe(self, tokens: int, seconds: float, packed: bool, decoding: bool = True) -> None:
+        """A chunk of `tokens` (beside decoding rows, or alone) took `seconds`: size the
+        next one of its kind."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        if not decoding:
+            scaled = tokens * LONE_SECONDS / seconds
+            self.lone = int(max(LONE_FLOOR, min(scaled, 2 * tokens, self.ceiling)))
+            return
         budget = self.budget(packed)
-        if tokens <= 0 or seconds <= 0 or budget is None:
+        if budget is None:
             return
         scaled = tokens * budget / seconds
         self.chunk = int(max(FLOOR, min(scaled, 2 * tokens, self.ceiling)))

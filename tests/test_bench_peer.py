@@ -12,6 +12,7 @@ import pytest
 
 from bench import hybrid, serve
 from bench.peer import compare, comparison_lines, peer_configs, peer_env
+from bench.serve_dataset import DATA_DIR
 from tests.test_process import BLAS_PRELOAD, env_without, running_server
 
 MAX_TOKENS, PROMPTS = 8, 4
@@ -131,7 +132,7 @@ def prompts_without_eos(reference, count: int) -> list[str]:
     lines = [
         json.loads(line)
         for name in ("novel", "mixed", "echo")
-        for line in (serve.DATA_DIR / f"{name}.jsonl").read_text().splitlines()
+        for line in (DATA_DIR / f"{name}.jsonl").read_text().splitlines()
         if line.strip()
     ]
     texts = [line["prompt"] for line in lines if "prompt" in line]

@@ -19,6 +19,7 @@ token <= 1.3x the lone one, the lone one no slower than mlx-lm's best chunk size
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -257,13 +258,13 @@ def measure_server(settings: Settings, prompts: list[list[int]]) -> dict[str, An
         stop_server(proc)
     from scheduler.config import SchedulerConfig
 
-    config = SchedulerConfig()
+    defaults = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)}
     return {
         "command": ["tandem", "serve", settings.model, *flags],
         # the engine's prefill chunk (no flag sets it): alone, and the ceiling beside
         # decoding rows, where the pacer sizes it by time
-        "prefill_step_size": config.prefill_step_size,
-        "batch_prefill_step_size": config.batch_prefill_step_size,
+        "prefill_step_size": defaults["prefill_step_size"],
+        "batch_prefill_step_size": defaults["batch_prefill_step_size"],
         "blas": blas,
         "alone_ttft_s": alone,
         "shared": shared,

@@ -194,7 +194,9 @@ def test_non_loopback_url_is_refused_before_any_connection(monkeypatch, tmp_path
 
 @pytest.fixture(scope="module")
 def tandem_url(tiny_model_dir) -> Iterator[str]:
-    args = [str(tiny_model_dir), "--served-model-name", "tiny"]
+    # the levels repeat the same prompts: suffix decoding would draft each earlier answer
+    # whole, leaving no gaps between tokens to measure
+    args = [str(tiny_model_dir), "--served-model-name", "tiny", "--suffix-tokens-per-key", "0"]
     with running_server(args, env_without(*BLAS_PRELOAD)) as server:
         yield server.url
 

@@ -12,7 +12,8 @@ follows that as it goes.
 A prompt prefilling alone takes chunks of about `LONE_SECONDS`: long enough that a
 chunk's fixed cost (a pass over the weights) is small beside its tokens, short enough
 that a cancel, a newcomer or a switch of engines waits for at most one such chunk (a
-fixed 2048-token chunk took about 40 s on a 2-core CPU with a 0.5B model). On a fast
+fixed 2048-token chunk took about 40 s on a 2-core CPU with a 0.5B model, where
+mlx-lm's own prefill is fastest with 256-token chunks: about 5 s there). On a fast
 device the chunk grows to the engine's configured one.
 
 Owned by the engine thread (each engine holds one).
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 # with room for the controller's misses.
 GAP_STEPS = 2.5
 FLOOR = 16  # smaller chunks cost about as much as a decode step, for almost no prompt
-LONE_SECONDS = 2.0
+LONE_SECONDS = 5.0
 LONE_FLOOR = 64  # below this a lone chunk's fixed cost starts to show
 SMOOTHING = 0.3  # weight of the newest decode step in the running estimate
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 from engines.prefill_pacing import FLOOR, GAP_STEPS, LONE_FLOOR, LONE_SECONDS, PrefillPacer
 
 
-def test_a_lone_prompt_takes_chunks_of_about_two_seconds_within_the_ceiling() -> None:
+def test_a_lone_prompt_takes_chunks_of_a_few_seconds_within_the_ceiling() -> None:
     pacer = PrefillPacer(ceiling=2048)
     assert pacer.next_chunk(decoding=False) == 512
     assert pacer.next_chunk(decoding=True) == 64
-    for _ in range(6):  # a slow machine: 20 ms a token
+    for _ in range(6):  # a slow machine: 10 ms a token
         tokens = pacer.next_chunk(decoding=False)
-        pacer.observe(tokens, 0.02 * tokens, packed=False, decoding=False)
-    assert pacer.next_chunk(decoding=False) == round(LONE_SECONDS / 0.02)
+        pacer.observe(tokens, 0.01 * tokens, packed=False, decoding=False)
+    assert pacer.next_chunk(decoding=False) == round(LONE_SECONDS / 0.01)
     assert pacer.next_chunk(decoding=True) == 64  # the other kind of chunk is its own
     for _ in range(6):  # a fast one: the configured chunk
         tokens = pacer.next_chunk(decoding=False)

@@ -68,3 +68,21 @@ def test_a_sequence_handed_over_finishes_exactly_and_its_cache_comes_back_in_a_r
     assert [s.seq.request_id for s in released] == ["r"], "the finished cache, once"
     assert released[0].cached <= len(seq.all_tokens)
     assert second.settle().outputs == [] and second.step().outputs == []
+
+
+def test_drafters_of_each_shape_share_one_propose():
+    """Lookup drafters take `propose(context, k)`; model drafters take the request's
+    state, settings and RNG: each shape one signature (`engines/drafting/draft.py`)."""
+    import inspect
+
+    from engines.drafting.draft import Drafter, ModelDrafter
+    from engines.drafting.draft_model import DraftModelDrafter
+    from engines.drafting.mtp import MTPDrafter
+    from engines.drafting.prompt_lookup import PromptLookupDrafter
+    from engines.drafting.suffix import SuffixIndex
+
+    def parameters(cls) -> list[str]:
+        return list(inspect.signature(cls.propose).parameters)
+
+    assert parameters(PromptLookupDrafter) == parameters(SuffixIndex) == parameters(Drafter)
+    assert parameters(DraftModelDrafter) == parameters(MTPDrafter) == parameters(ModelDrafter)

@@ -1,17 +1,24 @@
 """What a drafter proposes, and the names of the drafting methods.
 
 A leaf: every drafter, gate and cost model names methods through these constants, so
-none of them imports another to learn a name. `propose(context, k) -> Draft | None` is
-the one drafter protocol (`Drafter`); a draft carries the tokens and, for a stochastic
-drafter, the probabilities q it sampled them from (None = one-hot).
+none of them imports another to learn a name. Drafters come in two shapes, one protocol
+each: a lookup drafter (prompt lookup, suffix decoding) belongs to one request and keeps
+its index itself, `propose(context, k)` (`Drafter`); a model drafter (the draft model,
+the MTP head) is one object for every request and is handed the request's own state,
+RNG and sampling settings, `propose(state, context, k, params, rng, ...)`
+(`ModelDrafter`). A draft carries the tokens and, for a stochastic drafter, the
+probabilities q it sampled them from (None = one-hot).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
+
+from engines.request import SamplingParams
+from engines.sample.sampling import RandomStream
 
 PLD = "pld"
 DRAFT = "draft"
@@ -38,6 +45,27 @@ class Draft:
 
 
 class Drafter(Protocol):
-    """What every drafter offers: up to k tokens that may follow `context`, or None."""
+    """A lookup drafter of one request: up to k tokens that may follow `context`, or None."""
 
     def propose(self, context: list[int], k: int) -> Draft | None: ...
+
+
+class ModelDrafter(Protocol):
+    """A model drafter shared by every request: up to k tokens that may follow `context`,
+    drafted on the request's `state` (its draft cache) with its sampling settings and RNG
+    (`position`: the output position, for seeded draws; `stop`: where an unsure draft
+    ends, `engines.gating.draft_confidence`), or None."""
+
+    method: str
+
+    def propose(
+        self,
+        state: Any,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        rng: RandomStream,
+        processors: list | None = None,
+        position: int = 0,
+        stop: Any = None,
+    ) -> Draft | None: ...

@@ -33,7 +33,7 @@ from engines.cache.rollback import (
     take_snapshot,
     trim_exact,
 )
-from engines.drafting.draft import DRAFT, PLD, Draft
+from engines.drafting.draft import DRAFT, PLD, Draft, ModelDrafter
 from engines.drafting.draft_model import DraftModelDrafter, DraftState
 from engines.drafting.draft_vocab import describe_vocabulary, vocabulary_of
 from engines.drafting.mtp import MTPDrafter, MTPState
@@ -94,7 +94,7 @@ class SpeculativeEngine:
             RealizedRates.starting_from(measured.plain_seconds) if cost is None else None
         )
         self.vocab_size = registry.target.vocab_size
-        self.drafter: DraftModelDrafter | MTPDrafter | None = None
+        self.drafter: ModelDrafter | None = None  # DraftModelDrafter or MTPDrafter
         if registry.draft is not None:
             self.drafter = DraftModelDrafter(
                 registry.draft.model,

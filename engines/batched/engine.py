@@ -273,19 +273,7 @@ class BatchedSpeculativeEngine(BatchMembership):
         def forward(inputs: mx.array) -> mx.array:
             began, lengths = time.perf_counter(), list(self.cache[0].held)
             feed.inputs, feed.cache = inputs, self.cache
-            checkpoints = self._result.checkpoints if self.checkpoint_prompts else None
-            carried.append(
-                prefill_next(
-                    self.groups,
-                    self.model,
-                    self.model_drafter,
-                    self.mtp,
-                    self.pacer.next_chunk(decoding=True),
-                    checkpoints,
-                    self.contain,
-                    feed,
-                )
-            )
+            carried.append(self._prefill_next(feed, decoding=True))
             self._result.forward_seconds += time.perf_counter() - began
             if feed.logits is not None:
                 return feed.logits
@@ -307,24 +295,30 @@ class BatchedSpeculativeEngine(BatchMembership):
         one small forward of the group (not a verify of the whole batch, so time to
         first token is the prefill plus one token) and joins the batch."""
         started = time.perf_counter()
-        checkpoints = self._result.checkpoints if self.checkpoint_prompts else None
         feed, decoding = ChunkFeed(), bool(self.rows)
         try:
-            joining, outputs = prefill_next(
-                self.groups,
-                self.model,
-                self.model_drafter,
-                self.mtp,
-                self.pacer.next_chunk(decoding),
-                checkpoints,
-                self.contain,
-                feed,
-            )
+            joining, outputs = self._prefill_next(feed, decoding)
         finally:
             seconds = time.perf_counter() - started
             self._result.forward_seconds += seconds
         self.pacer.observe(feed.tokens, seconds, packed=False, decoding=decoding)
         return outputs + self._join_prefilled(joining, outputs)
+
+    def _prefill_next(self, feed: ChunkFeed, decoding: bool):
+        """One chunk of the next prefill group, of the pacer's size for whether rows
+        decode, fed through `feed` (`prefill_next`: the joining rows and outputs)."""
+        checkpoints = self._result.checkpoints if self.checkpoint_prompts else None
+        chunk = self.pacer.next_chunk(decoding)
+        return prefill_next(
+            self.groups,
+            self.model,
+            self.model_drafter,
+            self.mtp,
+            chunk,
+            checkpoints,
+            self.contain,
+            feed,
+        )
 
     def _join_prefilled(self, joining, outputs: list[StepOutput]) -> list[StepOutput]:
         """Rows whose prompts are in (`prefill_next`'s `joining`, None: none) join the

@@ -25,7 +25,8 @@ def drafting(tiny_model_dir, perturbed_draft_dir):
 def serve(engine, running, arriving, arrive_at: int):
     """Step until all finish; `arriving` joins after `arrive_at` steps. Returns each
     request's tokens and, per step after the arrival until its first token, whether
-    every running row got a token in that step and what kind of step it was."""
+    every running row got a token in that step, what kind of step it was and whether
+    the pacer had measured a decode step by then."""
     from engines.sequence import make_sequence
 
     tokenizer = engine.registry.tokenizer
@@ -43,7 +44,8 @@ def serve(engine, running, arriving, arrive_at: int):
             tokens[output.request_id] += output.token_ids
         if waiting:
             alive = [r.request_id for r in running if len(tokens[r.request_id]) < r.max_tokens]
-            steps.append((all(rid in got for rid in alive), engine._last))
+            measured = engine.pacer.decode_seconds is not None
+            steps.append((all(rid in got for rid in alive), engine._last, measured))
         step += 1
         assert step < 2000
     return tokens, steps
@@ -63,8 +65,8 @@ def test_rows_keep_decoding_every_step_while_a_long_prompt_prefills(engines, req
         assert tokens[r.request_id] == reference.greedy_tokens(list(r.prompt_tokens), r.max_tokens)
     # prefilling took several chunks, and no running row missed a step meanwhile
     assert len(long_prompt) == 300 and len(steps) >= 300 // engine.prefill_step_size
-    assert all(every_row_got_a_token for every_row_got_a_token, _ in steps), steps
-    assert StepKind.PREFILL not in {kind for _, kind in steps}
+    assert all(every_row_got_a_token for every_row_got_a_token, _, _ in steps), steps
+    assert StepKind.PREFILL not in {kind for _, kind, _ in steps}
     assert FLOOR <= engine.pacer.next_chunk(decoding=True) <= engine.prefill_step_size
 
 
@@ -77,6 +79,20 @@ def test_without_packing_chunks_alternate_with_the_rows_steps(tiny_model_dir, re
     tokens, steps = serve(engine, running, arriving, arrive_at=3)
     for r in [*running, arriving]:
         assert tokens[r.request_id] == reference.greedy_tokens(list(r.prompt_tokens), r.max_tokens)
-    kinds = [kind for _, kind in steps]
+    kinds = [kind for _, kind, _ in steps]
     assert StepKind.PREFILL in kinds and StepKind.VERIFY in kinds
-    assert not all(every_row_got_a_token for every_row_got_a_token, _ in steps)
+    assert not all(every_row_got_a_token for every_row_got_a_token, _, _ in steps)
+
+
+def test_a_prompt_arriving_before_any_decode_step_is_measured_gets_paced(tiny_model_dir, reference):
+    """The rows' first steps already carry the newcomer's chunks: the engine runs one
+    step without a chunk first, so the pacer sizes the chunks by a measured decode step
+    instead of keeping its first guess for the whole prompt."""
+    _, engine = make_engines(tiny_model_dir)
+    tokenizer = reference.tokenizer
+    running = [greedy_request(f"r{i}", tokenizer.encode(p), 40) for i, p in enumerate(PROMPTS[:2])]
+    arriving = greedy_request("long", tokenizer.encode(CODE_PROMPT * 8)[:300], 6)
+    tokens, steps = serve(engine, running, arriving, arrive_at=1)
+    for r in [*running, arriving]:
+        assert tokens[r.request_id] == reference.greedy_tokens(list(r.prompt_tokens), r.max_tokens)
+    assert all(measured for _, _, measured in steps), steps

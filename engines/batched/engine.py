@@ -152,7 +152,9 @@ class BatchedSpeculativeEngine(BatchMembership):
             self._last,
             self._plan,
             self.costs.plain_probe_due,  # a plain step to measure, not a run
-            carry=self.packing,
+            # a chunk rides in the rows' forward once a step without one is measured:
+            # the pacer sizes it by that step (unmeasured, it would keep its first size)
+            carry=self.packing and self.pacer.decode_seconds is not None,
         )
         self._last = plan.kind
         if plan.kind == StepKind.COMMIT:

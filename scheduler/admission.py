@@ -71,11 +71,24 @@ class FairQueue(Generic[T]):
     def popleft(self) -> T:
         if self._resuming:
             return self._resuming.popleft()
-        chosen = self.peek()
-        self._items.remove(chosen)
+        return self.take(self.peek())
+
+    def first(self, ready: Callable[[T], bool]) -> T | None:
+        """The item `popleft` would take among those `ready` (None: none is)."""
+        if self._resuming:
+            return self._resuming[0]
+        in_turn = sorted(self._items, key=lambda item: self._served.get(self.key_of(item), -1))
+        return next((item for item in in_turn if ready(item)), None)  # asks no further
+
+    def take(self, item: T) -> T:
+        """`item` out of the queue, its key counted as served (as `popleft`)."""
+        if item in self._resuming:
+            self._resuming.remove(item)
+            return item
+        self._items.remove(item)
         self._turn += 1
-        self._served[self.key_of(chosen)] = self._turn
-        return chosen
+        self._served[self.key_of(item)] = self._turn
+        return item
 
     def remove(self, item: T) -> None:
         (self._resuming if item in self._resuming else self._items).remove(item)

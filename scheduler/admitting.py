@@ -61,13 +61,21 @@ class Admitting:
             self._last_step = None
         engine = self._engine()
         waiting = self.requests.waiting
+        ready = self._prefix_ready
         for _ in range(admissible):
             if self.mode == Mode.SPECULATIVE and not engine.has_capacity:
                 break
-            if not self._kv_admits(waiting.peek()):
+            tracked = waiting.first(ready)
+            if tracked is None:
+                break  # the rest wait for their prefixes from disk
+            if not self._kv_admits(tracked):
                 break  # it waits for room in the KV budget
-            self._start(waiting.popleft(), engine)
+            self._start(waiting.take(tracked), engine)
             self._last_step = None  # the next step prefills: not a decode-rate sample
+
+    def _prefix_ready(self, tracked: TrackedRequest) -> bool:
+        """Not waiting for its prefix's file to be read (`PrefixReuse.waits_for_disk`)."""
+        return not self._reuse.waits_for_disk(tracked)
 
     def _admissible(self) -> int:
         """How many waiting requests to admit now: all that fit, unless they should

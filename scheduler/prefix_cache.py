@@ -37,7 +37,7 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from engines.cache.rollback import can_trim, trim_exact
 from engines.drafting.draft_model import DraftState
-from scheduler.prefix_disk import DiskTier, identities
+from scheduler.prefix_disk import DiskEntry, DiskTier, identities
 
 MODEL_KEY = "target"
 SYSTEM, USER, ASSISTANT = "system", "user", "assistant"  # mlx-lm's cache types
@@ -90,6 +90,26 @@ class PrefixCache:
         if hit is not None:
             self.hits[hit.tier] += 1
         return hit
+
+    def disk_entry(self, tokens: list[int], scope: str = "") -> DiskEntry | None:
+        """The disk entry that would serve `tokens` further than memory does, if any:
+        worth reading ahead (`DiskTier.prefetch`)."""
+        if self.disk is None:
+            return None
+        found = self.disk.best(tokens, scope, self._memory_serves(tokens, scope))
+        return found[0] if found is not None else None
+
+    def _memory_serves(self, tokens: list[int], scope: str) -> int:
+        """About how many of `tokens` memory serves, from mlx-lm's trie alone (a
+        lookup would copy the entry): whether a file is worth reading ahead."""
+        lru = self._scopes.get(scope)
+        if lru is None:
+            return 0
+        found = lru._trie.search(MODEL_KEY, tokens)
+        if found.exact is not None:
+            return len(tokens) - 1
+        shared = found.common_prefix if found.longer is not None else 0
+        return max(len(found.shorter or ()), min(shared, len(tokens) - 1))
 
     def _promote(self, loaded, scope: str) -> None:
         """A disk entry into memory, as `store` keeps one (not written back)."""

@@ -7,9 +7,11 @@ read back from here instead of prefilled. Files live in one directory (0700), on
 per file (0600, scheduler/prefix_files.py), named by hashes of the model's identity, the
 API-key scope and the tokens; one key's entries are never served to another.
 
-Threads: the engine thread copies an entry's arrays to host memory (`save`) and reads a
-file back at a hit (`best`, `load`: a disk read is far cheaper than the prefill). One
-writer thread does the rest: first the model's identity (hashing the weights, once per
+Threads: the engine thread copies an entry's arrays to host memory (`save`) and turns
+a file read back into cache layers at a hit (`best`, `load`). The file itself is read
+and checked by a reader thread while the request waits (`prefetch`, prefix_reads.py);
+only a hit nobody asked for ahead is read on the engine thread. One writer thread does
+the rest: first the model's identity (hashing the weights, once per
 file thanks to a memo) and the index, rebuilt from the files' headers; then the writes,
 from a bounded queue (a full queue drops the write: the engine thread never waits), and
 the evictions. The index is shared by the two, under one lock.
@@ -49,6 +51,7 @@ from scheduler.prefix_files import (
     scope_hash,
     snapshot,
 )
+from scheduler.prefix_reads import DiskReads
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +88,8 @@ class DiskTier:
         self.write_drops = 0  # the queue was full
         self.rejected = 0  # files deleted as corrupt, truncated or mislabelled
         self.copy_seconds = 0.0  # engine thread: entries copied to host memory
-        self.load_seconds = 0.0  # engine thread: files read, checked and decoded
+        self.load_seconds = 0.0  # engine thread: files decoded (and read, if not ahead)
+        self.reads = DiskReads(read_entry)  # files read ahead of their hits
         self._entries: dict[str, DiskEntry] = {}  # file name -> entry
         self._pending: set[str] = set()  # queued, not yet written
         self._lock = threading.Lock()
@@ -115,6 +119,7 @@ class DiskTier:
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish the queued writes (up to `timeout`) and stop the writer thread."""
+        self.reads.close()
         if self._thread is None:
             return
         try:
@@ -146,11 +151,26 @@ class DiskTier:
                 best = (entry, served)
         return best
 
+    def prefetch(self, entry: DiskEntry) -> None:
+        """Read `entry`'s file in the background; `load` takes it once `reading` is
+        False."""
+        self.reads.request(entry.path)
+
+    def reading(self, entry: DiskEntry) -> bool:
+        return self.reads.pending(entry.path)
+
     def load(self, entry: DiskEntry) -> Loaded | None:
-        """The entry's caches, read and checked; a bad file is deleted and logged."""
+        """The entry's caches, read and checked (by the reader thread, if `prefetch`
+        asked for it); a bad file is deleted and logged."""
         started = time.perf_counter()
         try:
-            header, spec, tensors = read_entry(entry.path)
+            ahead = self.reads.take(entry.path)
+            if ahead is None:
+                header, spec, tensors = read_entry(entry.path)
+            elif ahead.error is not None:
+                raise ahead.error
+            else:
+                header, spec, tensors = ahead.read
             if header.identity != self.identity or header.scope != entry.header.scope:
                 raise BadEntry("made for another model or key than its name says")
             layers = decode(spec, tensors)
@@ -344,6 +364,7 @@ class DiskTier:
             "rejected_files": self.rejected,
             "copy_seconds": round(self.copy_seconds, 6),
             "load_seconds": round(self.load_seconds, 6),
+            "read_ahead_seconds": round(self.reads.read_seconds, 6),
         }
 
 

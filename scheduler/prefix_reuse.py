@@ -9,12 +9,16 @@ exactly the tokens they hold.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from mlx_lm.models.cache import make_prompt_cache
 
 from engines.sequence import Sequence
 from engines.state import SequenceState
 from scheduler.prefix_cache import ASSISTANT, SYSTEM, USER, PrefixCache
+
+if TYPE_CHECKING:
+    from scheduler.tracking import TrackedRequest
 
 
 class PrefixReuse:
@@ -31,6 +35,23 @@ class PrefixReuse:
         if hit is None:
             return SequenceState(seq, make_prompt_cache(model), 0)
         return SequenceState(seq, hit.cache, hit.cached, draft=hit.draft)
+
+    def waits_for_disk(self, tracked: TrackedRequest) -> bool:
+        """Whether `tracked` waits for a disk entry to be read for it: the engine thread
+        never waits for a file, and the other requests start and decode meanwhile. One
+        file is read at a time; a request whose entry waits for that asks again later."""
+        cache, request = self.cache, tracked.request
+        if cache is None or cache.disk is None or tracked.disk_checked:
+            return tracked.disk_entry is not None and cache.disk.reading(tracked.disk_entry)
+        if tracked.parked is not None or request.prompt_logprobs is not None:
+            return False
+        entry = cache.disk_entry(list(request.prompt_tokens), request.cache_scope)
+        if entry is not None and cache.disk.reads.busy:
+            return True  # its turn comes when the file being read is in
+        tracked.disk_checked, tracked.disk_entry = True, entry
+        if entry is not None:
+            cache.disk.prefetch(entry)
+        return entry is not None
 
     def keep(self, released: Iterable[SequenceState], checkpoints: Iterable[SequenceState]) -> None:
         """Store finished requests' caches (`released`) and prompt checkpoints; a cache

@@ -261,8 +261,10 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
         self._ready.set()
         try:
             while True:
+                reading = self._only_reading()
                 commands = self._mailbox.wait(
-                    busy=self.requests.has_work(), poll=bool(self.requests.paused)
+                    busy=self.requests.has_work() and not reading,
+                    poll=bool(self.requests.paused) or reading,
                 )
                 if commands is None:
                     break
@@ -283,6 +285,14 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
             return
         self._abort_all("server is shutting down")
         self._mailbox.flush()
+
+    def _only_reading(self) -> bool:
+        """Nothing runs and every waiting request waits for its prefix's file: the
+        loop looks again shortly instead of spinning beside the reader thread."""
+        waiting = self.requests.waiting
+        if self.requests.running or not waiting:
+            return False
+        return waiting.first(self._prefix_ready) is None
 
     def _sample_gauges(self, every_s: float = 0.5) -> None:
         """MLX memory (read on the engine thread, the only thread that touches MLX) and

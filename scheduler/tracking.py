@@ -40,6 +40,8 @@ class TrackedRequest:
     delivered: int = 0  # events handed to the stream
     paused_at: float | None = None  # out of the engine: its client stopped reading
     parked: SequenceState | None = None  # the paused sequence, KV cache and all
+    disk_checked: bool = False  # the prefix cache's disk tier was asked for its prompt
+    disk_entry: Any = None  # the disk entry read ahead for it (`PrefixReuse.waits_for_disk`)
 
     @property
     def unread(self) -> int:

@@ -298,3 +298,21 @@ def test_no_tier_without_a_bound(tiny_model_dir):
     finally:
         scheduler.stop()
     assert os.environ.get("TANDEM_PREFIX_CACHE_DISK_GB") == "0", "tests keep ~/.cache clean"
+
+
+def test_the_weights_hash_memo_is_private_and_follows_changes(tmp_path):
+    """The memo of weight hashes (named by the user's file paths) is a 0700 folder; a
+    changed file is hashed afresh, an unchanged one is read from the memo."""
+    import hashlib
+
+    from engines.model.cache_paths import remembered_sha256
+
+    weights, memo = tmp_path / "weights.bin", tmp_path / "prefix" / ".hashes"
+    weights.write_bytes(b"first")
+    assert remembered_sha256(weights, memo) == hashlib.sha256(b"first").hexdigest()
+    assert stat.S_IMODE(memo.stat().st_mode) == 0o700
+    (remembered,) = list(memo.iterdir())
+    remembered.write_text("f" * 64)  # what the memo says is what an unchanged file gets
+    assert remembered_sha256(weights, memo) == "f" * 64
+    weights.write_bytes(b"second, longer")
+    assert remembered_sha256(weights, memo) == hashlib.sha256(b"second, longer").hexdigest()

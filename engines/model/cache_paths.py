@@ -35,7 +35,7 @@ def remembered_sha256(path: Path, memo_dir: Path) -> str:
     except OSError:
         pass
     digest = file_sha256(path)
-    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # its paths name the user's files
     partial = memo.with_suffix(f".{os.getpid()}")
     partial.write_text(digest)
     partial.replace(memo)

@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     if not supports_packing(model):
         raise SystemExit(f"{args.model}: not a llama/qwen2 full-attention model (no packing)")
     sizes = [int(s) for s in args.sizes.split(",")]
-    ids = mx.array([[1000 + i % 20000 for i in range(args.context + max(sizes))]])
+    vocab, length = model.args.vocab_size, max(args.context, 257) + max(sizes)
+    ids = mx.array([[(1000 + i) % vocab for i in range(length)]])
     chunk_cache, row_cache = filled(model, ids, args.context), filled(model, ids, 256)
     row = ids[:, 256:257]
     dtype = model.model.norm.weight.dtype

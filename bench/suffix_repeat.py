@@ -10,10 +10,11 @@ prompt lookup only), asks it again (a new conversation: the prefix cache serves 
 prompt, suffix decoding drafts the first answer), then twice at once (the batched
 engine); key k2 asks the same prompt (no cache, no suffix drafts: it must be no faster
 than k1's first). The second scheduler runs k1's four requests with suffix decoding off:
-plain decoding's reference, which every answer must equal token for token, and the
-decode speed each ratio is against. Prints one JSON line per request (time to first
-token, decode tokens/s, drafted and accepted tokens by method, the ratio), then the
-model, BLAS, load average and whether every answer was identical.
+the decode speed each ratio is against. Last, mlx-lm's own `generate_step` decodes the
+prompt in process: plain decoding, which every answer must equal token for token.
+Prints one JSON line per request (time to first token, decode tokens/s, drafted and
+accepted tokens by method, the ratio), then the model, BLAS, load average and whether
+every answer was identical to plain decoding.
 """
 
 from __future__ import annotations
@@ -71,9 +72,7 @@ async def measure(model: str, prompt_tokens: int, max_tokens: int, suffix: bool)
     scheduler = Scheduler(SchedulerConfig(model=model, cost_model=CostModel.assumed(9), **off))
     scheduler.start()
     assert scheduler.wait_loaded(900), scheduler.error
-    code = (ROOT / "engines" / "cache" / "ragged_cache.py").read_text()
-    ids = scheduler.registry.tokenizer.encode(code)[:prompt_tokens]
-    ids += scheduler.registry.tokenizer.encode(QUESTION)
+    ids = prompt_ids(scheduler.registry.tokenizer, prompt_tokens)
     try:
         results = [await ask(scheduler, rid, ids, "k1", max_tokens) for rid in ALONE]
         results += await asyncio.gather(
@@ -86,6 +85,22 @@ async def measure(model: str, prompt_tokens: int, max_tokens: int, suffix: bool)
     return results
 
 
+def prompt_ids(tokenizer, prompt_tokens: int) -> list[int]:
+    code = (ROOT / "engines" / "cache" / "ragged_cache.py").read_text()
+    return tokenizer.encode(code)[:prompt_tokens] + tokenizer.encode(QUESTION)
+
+
+def plain_greedy(model_dir: str, prompt_tokens: int, max_tokens: int) -> list[int]:
+    """mlx-lm's `generate_step`, greedy, on the same prompt ids: plain decoding."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model, tokenizer = load(model_dir)
+    ids = mx.array(prompt_ids(tokenizer, prompt_tokens))
+    return [int(token) for token, _ in generate_step(ids, model, max_tokens=max_tokens)]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.suffix_repeat", description=__doc__)
     parser.add_argument("model")
@@ -95,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     model = resolve_model(args.model)
     served = asyncio.run(measure(model, args.prompt_tokens, args.max_tokens, suffix=True))
     plain = asyncio.run(measure(model, args.prompt_tokens, args.max_tokens, suffix=False))
+    mlx_lm_tokens = plain_greedy(model, args.prompt_tokens, args.max_tokens)
     reference = {r["request"]: r for r in plain}
     reference["other-key"] = served[0]  # k2's first ask against k1's
     for result in served:
@@ -111,7 +127,10 @@ def main(argv: list[str] | None = None) -> None:
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
-        "identical_to_plain": all(r["tokens"] == plain[0]["tokens"] for r in served + plain),
+        # Tandem stops at the end-of-sequence token, generate_step does not
+        "identical_to_plain": all(
+            r["tokens"] == mlx_lm_tokens[: len(r["tokens"])] for r in served + plain
+        ),
     }
     print(json.dumps(summary))
 

@@ -427,11 +427,18 @@ def main(argv: list[str]) -> None:
     copies = plan(settings, sessions, renderer)
     tandem = run_tandem(settings, copies, budget)
     peer = run_peer(settings, copies, budget) if settings.peer != "none" else None
-    if peer is not None and settings.peer_api == "completions":  # read as Tandem splits it
+    if peer is not None:  # the peer's text read as Tandem splits it, where the peer did not
+        # split it itself: the completions API, or chat content with no tool calls
+        # (mlx_lm.server parses only tagged calls; Tandem's parser also takes a bare JSON
+        # call, so the same tokens would otherwise compare as different answers)
         for turns in copies:
             for turn in turns:
                 key = (turn.level, turn.copy, turn.turn)
-                if key in peer.turns:
+                own = peer.answers.get(key)
+                unsplit = settings.peer_api == "completions" or (
+                    own is not None and not own.tool_calls and not own.reasoning
+                )
+                if key in peer.turns and unsplit:
                     peer.answers[key] = comparable(
                         renderer.parse(peer.turns[key].raw_text, turn.rendered)
                     )

@@ -32,6 +32,9 @@ class TurnResult:
     cached_tokens: int | None = None
     output_tokens: int | None = None
     decode_tok_s: float | None = None
+    # Tandem's own drafting for the turn (its final event's `speculation`):
+    # method -> [drafted tokens, accepted tokens]; the peer reports none
+    drafted: dict[str, list[int]] = field(default_factory=dict)
     answer: Answer | None = None
     raw_text: str = ""
     error: str | None = None
@@ -53,6 +56,7 @@ class Collected:
     reasoning: list[str] = field(default_factory=list)
     calls: list[tuple[str, str]] = field(default_factory=list)
     usage: dict[str, Any] = field(default_factory=dict)
+    speculation: dict[str, Any] | None = None  # Tandem's, from its final event
 
     def output_event(self) -> None:
         now = time.perf_counter()
@@ -91,6 +95,7 @@ def on_messages_event(event: dict, got: Collected) -> None:
         cached = usage.get("cache_read_input_tokens", 0)
         prompt = usage["input_tokens"] + cached + usage.get("cache_creation_input_tokens", 0)
         got.usage = {"prompt": prompt, "cached": cached, "output": usage["output_tokens"]}
+        got.speculation = event.get("speculation")
     elif kind == "error":
         raise RuntimeError(f"error event: {event.get('error')}")
 
@@ -114,6 +119,7 @@ def on_responses_event(event: dict, got: Collected) -> None:
         cached = (usage.get("input_tokens_details") or {}).get("cached_tokens")
         got.usage = {"prompt": usage["input_tokens"], "cached": cached}
         got.usage["output"] = usage["output_tokens"]
+        got.speculation = event["response"].get("speculation")
     elif kind in ("response.failed", "error"):
         raise RuntimeError(f"{kind}: {event}")
 
@@ -204,6 +210,8 @@ async def stream_turn(
     result.prompt_tokens = got.usage.get("prompt")
     result.cached_tokens = got.usage.get("cached")
     result.output_tokens = got.usage.get("output")
+    methods = (got.speculation or {}).get("by_method") or {}
+    result.drafted = {m: [s["draft_tokens"], s["accepted_tokens"]] for m, s in methods.items()}
     if result.output_tokens and result.output_tokens > 1 and got.first and got.last:
         span = got.last - got.first
         result.decode_tok_s = (result.output_tokens - 1) / span if span > 0 else None

@@ -99,7 +99,19 @@ def side_level(side, level: int, copies: list) -> dict[str, Any]:
         "cached_tokens": sum(r.cached_tokens or 0 for r in results),
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in results),
         "output_tokens": sum(r.output_tokens or 0 for r in results),
+        "drafted": drafted_by_method(results),
     }
+
+
+def drafted_by_method(results: list) -> dict[str, list[int]]:
+    """Drafted and accepted tokens by method over `results` (Tandem's own counts)."""
+    totals: dict[str, list[int]] = {}
+    for result in results:
+        for method, (drafted, accepted) in result.drafted.items():
+            total = totals.setdefault(method, [0, 0])
+            total[0] += drafted
+            total[1] += accepted
+    return dict(sorted(totals.items()))
 
 
 def level_summary(copies: list, tandem, peer) -> list[dict[str, Any]]:
@@ -177,7 +189,8 @@ def report_text(result: dict[str, Any]) -> str:
                 f"{turn_cells(row[side])}  {same}"
             )
     lines += ["", "per level: mean session wall s (max) | wall s, all groups | mean ttft s | "
-              "mean decode tok/s | cached/prompt tokens"]  # fmt: skip
+              "mean decode tok/s | cached/prompt tokens | Tandem's drafted/accepted tokens "
+              "by method"]  # fmt: skip
     for level in result["levels"]:
         for side in ("tandem", "peer"):
             if side not in level:
@@ -188,6 +201,7 @@ def report_text(result: dict[str, Any]) -> str:
                 f"({num(s['max_session_wall_s'])}) | {num(s['level_wall_s'])} | "
                 f"{num(s['mean_ttft_s'])} | {num(s['mean_decode_tok_s'], '.1f')} | "
                 f"{s['cached_tokens']}/{s['prompt_tokens']}"
+                + "".join(f" | {m} {d}/{a}" for m, (d, a) in s["drafted"].items())
                 + (f" | {s['failed_turns']} FAILED turns" if s["failed_turns"] else "")
             )
         if level.get("session_speedup") is None and "peer" in level:

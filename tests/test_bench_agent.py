@@ -83,6 +83,13 @@ def test_short_form_against_tandem_reports_each_turn(tmp_path, agent_model):
     assert [r["tandem_vs_plain"] for r in rows] == [True, True]
     assert result["all_identical"] and result["errors"] == 0
     level = result["levels"][0]["tandem"]
+    assert "pld" in level["drafted"]  # prompt lookup drafts on a 17k-token agent prompt
+    for method, (drafted, accepted) in level["drafted"].items():  # Tandem's own counts
+        assert method in ("pld", "suffix", "draft", "mtp") and 0 <= accepted <= drafted
+    assert level["drafted"] == {
+        m: [sum(r["tandem"]["drafted"].get(m, [0, 0])[i] for r in rows) for i in (0, 1)]
+        for m in level["drafted"]
+    }
     assert level["mean_session_wall_s"] >= sum(r["tandem"]["e2e_s"] for r in rows) * 0.99
     assert "answers identical: 2/2" in text and "c=1 tandem" in text
 

@@ -156,8 +156,9 @@ class DiskTier:
         False."""
         self.reads.request(entry.path)
 
-    def reading(self, entry: DiskEntry) -> bool:
-        return self.reads.pending(entry.path)
+    def reading(self, entry: DiskEntry | None = None) -> bool:
+        """Whether `entry`'s file (None: any file) is being read ahead."""
+        return self.reads.busy if entry is None else self.reads.pending(entry.path)
 
     def load(self, entry: DiskEntry) -> Loaded | None:
         """The entry's caches, read and checked (by the reader thread, if `prefetch`

@@ -46,7 +46,7 @@ class PrefixReuse:
         if tracked.parked is not None or request.prompt_logprobs is not None:
             return False
         entry = cache.disk_entry(list(request.prompt_tokens), request.cache_scope)
-        if entry is not None and cache.disk.reads.busy:
+        if entry is not None and cache.disk.reading():
             return True  # its turn comes when the file being read is in
         tracked.disk_checked, tracked.disk_entry = True, entry
         if entry is not None:

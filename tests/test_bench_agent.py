@@ -83,7 +83,9 @@ def test_short_form_against_tandem_reports_each_turn(tmp_path, agent_model):
     assert [r["tandem_vs_plain"] for r in rows] == [True, True]
     assert result["all_identical"] and result["errors"] == 0
     level = result["levels"][0]["tandem"]
-    assert "pld" in level["drafted"]  # prompt lookup drafts on a 17k-token agent prompt
+    # which drafter drafts is the gates' call on the machine's measured costs (on a
+    # loaded machine prompt lookup stayed closed and only the suffix drafter drafted)
+    assert level["drafted"], "Tandem's drafting counts are reported"
     for method, (drafted, accepted) in level["drafted"].items():  # Tandem's own counts
         assert method in ("pld", "suffix", "draft", "mtp") and 0 <= accepted <= drafted
     assert level["drafted"] == {

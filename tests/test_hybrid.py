@@ -224,7 +224,10 @@ async def test_a_seeded_request_gives_the_same_tokens_alone_and_under_load(
                 streams.append(scheduler.submit(request(f"crowd-{crowd}-{i}", ids, 30 + 10 * i)))
             results = await asyncio.gather(*(tokens_of(s) for s in streams))
             assert results[0] == alone, f"beside {crowd} others"
-        assert scheduler.counters.mode_switches.get(("speculative", "batched"), 0) >= 2
+        # batched at least once (whether the second crowd finds the engine batched or
+        # speculative depends on the measured rates: on a loaded machine it stayed)
+        assert scheduler.counters.mode_switches.get(("speculative", "batched"), 0) >= 1
+        assert max(scheduler.counters.batch_sizes) >= 2
     finally:
         scheduler.stop()
 

@@ -19,9 +19,10 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import llama, qwen2
-from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.base import create_attention_mask
 
 from engines.cache.ragged_cache import RaggedKVCache, feed_rows
+from engines.platform.cpu_attention import attention_of
 
 _BLOCKS = (llama.TransformerBlock, qwen2.TransformerBlock)
 
@@ -69,6 +70,7 @@ def packed_logits(model: Any, parts: list[tuple[mx.array, list]]) -> list[mx.arr
 def _block(layer: Any, flat: mx.array, shapes: list, masks: list, caches: list) -> mx.array:
     """One transformer block over every part's tokens (`TransformerBlock.__call__`)."""
     attention = layer.self_attn
+    attend = attention_of(attention)  # what the architecture calls (head-parallel on a CPU)
     normed = layer.input_layernorm(flat)
     queries, keys, values = (
         attention.q_proj(normed),
@@ -89,7 +91,7 @@ def _block(layer: Any, flat: mx.array, shapes: list, masks: list, caches: list) 
         q = attention.rope(q, offset=cache.offset)
         k = attention.rope(k, offset=cache.offset)
         k, v = cache.update_and_fetch(k, v)
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attention.scale, mask=mask)
+        out = attend(q, k, v, cache=cache, scale=attention.scale, mask=mask)
         outputs.append(out.transpose(0, 2, 1, 3).reshape(batch * length, -1))
         start = end
     hidden = flat + attention.o_proj(mx.concatenate(outputs))

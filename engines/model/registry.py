@@ -18,6 +18,7 @@ from engines.distributed.lockstep import LockstepModel, distributed_group, load_
 from engines.errors import DraftIncompatible
 from engines.model.gguf_import import import_gguf, is_gguf
 from engines.model.packaged_models import CATALOGUE, packaged_gguf
+from engines.platform import cpu_attention
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ def load_model(
     else:
         model, tokenizer, config = load(folder, return_config=True)
         trimmable_windows(model)  # sliding windows roll back without a replay
+        cpu_attention.install(model)  # a CPU device's attention on every core
     return LoadedModel(path=path, model=model, tokenizer=tokenizer, config=config, folder=folder)
 
 

@@ -1,0 +1,145 @@
+"""Attention on a CPU device, split by head across one MLX stream per core.
+
+MLX runs each CPU op on one thread, the thread of its stream; only matrix products
+(BLAS) use every core. Attention's softmax, scaling and causal mask are elementwise
+over heads x query tokens x cached tokens, so a long prompt's prefill spends most of
+its time on one core: on the 2-core CPU box a 512-token chunk at 8.7k tokens of
+context took 56 s on Qwen2.5-Coder-0.5B (float32, OpenBLAS), nearly all of it in
+attention, where its projections and MLP take about 9 s.
+
+So on a CPU device an attention call that is big enough is split into groups of
+heads, each group's attention computed on its own stream (its own thread), and the
+outputs concatenated along the head axis. MLX's maintainers point to streams for
+exactly this ("op-level multi-threading", ml-explore/mlx#2185). Each head's output
+comes from the same ops on the same values as unsplit, so the result is bit-identical
+(`tests/test_cpu_attention.py`); greedy decoding stays token-identical to mlx-lm's.
+
+mlx-lm's model modules call `scaled_dot_product_attention` from `mlx_lm.models.base`
+by the name they imported, and mlx-lm has no hook for it, so `install` rebinds that
+name in the loaded model's own modules (process-wide: every model of that
+architecture in the process then uses it; off a CPU device it passes straight to
+mlx-lm's). Streams are per thread (MLX's are thread-local): each thread that runs a
+model makes its own on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import base
+
+# Scores below this many (batch x heads x query tokens x cached tokens) stay on one
+# stream: a decode step's attention is small beside its matrix products, and each
+# extra stream costs a cross-stream wait.
+MIN_SCORES = 1 << 20
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def largest_divisor(count: int, at_most: int) -> int:
+    """The most groups, at most `at_most`, that `count` heads split into evenly."""
+    return next(d for d in range(min(count, at_most), 0, -1) if count % d == 0)
+
+
+class HeadParallelAttention:
+    """mlx-lm's `scaled_dot_product_attention`, split by head across CPU streams."""
+
+    def __init__(self, original: Any, cores: int) -> None:
+        self.original = original  # mlx-lm's own function, for everything not split
+        self.cores = cores
+        self._local = threading.local()  # .streams: this thread's CPU streams
+
+    def __call__(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        cache: Any,
+        scale: float,
+        mask: Any,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        groups = self.groups(queries, keys, cache)
+        if groups <= 1:
+            return self.original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        heads, kv_heads = queries.shape[1], keys.shape[1]
+        q_size = heads // groups
+        kv_size = kv_heads // groups if kv_heads > 1 else None
+        parts = []
+        for i, stream in enumerate(self._streams(groups)):
+            q_heads = slice(i * q_size, (i + 1) * q_size)
+            kv = slice(i * kv_size, (i + 1) * kv_size) if kv_size else slice(None)
+            parts.append(
+                mx.fast.scaled_dot_product_attention(
+                    queries[:, q_heads],
+                    keys[:, kv],
+                    values[:, kv],
+                    scale=scale,
+                    mask=_heads_of(mask, q_heads),
+                    sinks=None if sinks is None else sinks[q_heads],
+                    stream=stream,
+                )
+            )
+        return mx.concatenate(parts, axis=1)
+
+    def groups(self, queries: mx.array, keys: mx.array, cache: Any) -> int:
+        """How many groups of heads this call splits into (1: not split)."""
+        if self.cores <= 1 or mx.default_device() != mx.cpu or hasattr(cache, "bits"):
+            return 1
+        batch, heads, length, _ = queries.shape
+        kv_heads, cached = keys.shape[1], keys.shape[2]
+        if batch * heads * length * cached < MIN_SCORES or heads % kv_heads:
+            return 1
+        # whole key/value heads per group (each with its query heads), or with one
+        # shared key/value head, groups of query heads
+        return largest_divisor(kv_heads if kv_heads > 1 else heads, self.cores)
+
+    def _streams(self, count: int) -> list:
+        streams = getattr(self._local, "streams", [])
+        while len(streams) < count:
+            streams.append(mx.new_stream(mx.cpu))
+        self._local.streams = streams
+        return streams[:count]
+
+
+def _heads_of(mask: Any, heads: slice) -> Any:
+    """The mask for a group of query heads: an array with a head axis is sliced;
+    None, "causal" and masks broadcast over heads apply to every group as they are."""
+    if isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[1] > 1:
+        return mask[:, heads]
+    return mask
+
+
+def install(model: Any, cores: int | None = None) -> HeadParallelAttention | None:
+    """Make `model`'s architecture use head-parallel attention (see the module
+    docstring); returns the function now in use, None where there is nothing to
+    replace (an architecture with its own attention, or one core)."""
+    cores = usable_cores() if cores is None else cores
+    if cores <= 1:
+        return None
+    installed = None
+    for module in {type(layer).__module__ for layer in model.modules()}:
+        namespace = sys.modules.get(module)
+        current = getattr(namespace, "scaled_dot_product_attention", None)
+        if current is base.scaled_dot_product_attention:
+            current = HeadParallelAttention(base.scaled_dot_product_attention, cores)
+            namespace.scaled_dot_product_attention = current
+        if isinstance(current, HeadParallelAttention):
+            installed = current
+    return installed
+
+
+def attention_of(layer: Any) -> Any:
+    """The attention function `layer`'s own module calls (head-parallel once installed)."""
+    namespace = sys.modules.get(type(layer).__module__)
+    return getattr(namespace, "scaled_dot_product_attention", base.scaled_dot_product_attention)

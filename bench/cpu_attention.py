@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import mlx.core as mx
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load(str(path))
     ids = tokenizer.encode(TEXT * (args.tokens // 20 + 1))[: args.tokens]
     prompt = mx.array(ids)
-    module = __import__(type(model.model.layers[0].self_attn).__module__, fromlist=["_"])
+    module = sys.modules[type(model.model.layers[0].self_attn).__module__]  # its attention
     dtype = model.model.norm.weight.dtype
     cores = cpu_attention.usable_cores()
     print(f"model: {path}  dtype: {dtype}  device: {mx.default_device()}")

@@ -41,11 +41,15 @@ class TimedModel:
         self.calls = 0
         self.verify_slowdown = 1.0  # extra factor on forwards of more than one token
 
-    def __call__(self, tokens, cache=None):
+    def next_seconds(self, tokens) -> float:
+        """The time this forward is to take (counts the call)."""
         self.calls += 1
         n = tokens.shape[1]
         factor = self.slowdown(self.calls) * (self.verify_slowdown if n > 1 else 1.0)
-        time.sleep((self.fixed + self.per_token * n) * factor)
+        return (self.fixed + self.per_token * n) * factor
+
+    def __call__(self, tokens, cache=None):
+        time.sleep(self.next_seconds(tokens))
         return self.model(tokens, cache=cache)
 
     def __getattr__(self, name):
@@ -59,15 +63,10 @@ class ExactTimedModel(TimedModel):
     a verify but hide under a pipelined plain step's, so the true ratios drift."""
 
     def __call__(self, tokens, cache=None):
-        self.calls += 1
-        n = tokens.shape[1]
-        factor = self.slowdown(self.calls) * (self.verify_slowdown if n > 1 else 1.0)
-        start = time.perf_counter()
+        seconds, start = self.next_seconds(tokens), time.perf_counter()
         logits = self.model(tokens, cache=cache)
         mx.eval(logits)
-        time.sleep(
-            max(0.0, (self.fixed + self.per_token * n) * factor - (time.perf_counter() - start))
-        )
+        time.sleep(max(0.0, seconds - (time.perf_counter() - start)))
         return logits
 
 

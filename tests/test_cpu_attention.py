@@ -4,6 +4,8 @@ stays token-identical to plain mlx-lm with the attention split."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
@@ -12,11 +14,10 @@ from mlx_lm.models import base
 from engines.model.registry import ModelRegistry
 from engines.platform import cpu_attention
 from engines.platform.cpu_attention import MIN_SCORES, HeadParallelAttention
-from engines.request import GenerationRequest, SamplingParams
 from engines.sequence import make_sequence
 from engines.single.engine import SpeculativeEngine
 from engines.state import SpecConfig
-from tests.test_batched_speculation import COST, make_engines, run_batch
+from tests.test_batched_speculation import COST, greedy_request, make_engines, run_batch
 
 
 @pytest.fixture
@@ -51,8 +52,15 @@ def masks(batch, heads, length, cached):
 
 @pytest.mark.parametrize(
     "heads, kv_heads, cores",
-    [(14, 2, 2), (8, 4, 3), (4, 1, 2), (6, 6, 4), (4, 2, 8)],
-    ids=["gqa", "gqa-uneven-cores", "one-kv-head", "mha", "more-cores-than-heads"],
+    [(14, 2, 2), (8, 4, 3), (9, 3, 2), (4, 1, 2), (6, 6, 4), (4, 2, 8)],
+    ids=[
+        "gqa",
+        "gqa-uneven-cores",
+        "three-kv-heads-two-cores",
+        "one-kv-head",
+        "mha",
+        "more-cores-than-heads",
+    ],
 )
 def test_split_attention_is_bit_identical_to_mlx_lm(on_cpu, heads, kv_heads, cores):
     batch, length, cached = 2, 128, 1100
@@ -85,8 +93,15 @@ def test_small_calls_one_core_and_quantized_caches_are_not_split(on_cpu):
     assert one_core.groups(chunk[0], chunk[1], None) == 1
 
 
-def greedy(prompt, max_tokens):
-    return GenerationRequest("r", tuple(prompt), max_tokens, SamplingParams(temperature=0.0))
+@contextmanager
+def plain_attention(layer):
+    """Within it, `layer`'s architecture calls mlx-lm's own attention (the reference)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            f"{type(layer).__module__}.scaled_dot_product_attention",
+            base.scaled_dot_product_attention,
+        )
+        yield
 
 
 def test_engines_with_split_attention_decode_exactly_as_plain_mlx_lm(
@@ -104,11 +119,7 @@ def test_engines_with_split_attention_decode_exactly_as_plain_mlx_lm(
     prompt = registry.tokenizer.encode("Once upon a time a little robot " * 120)[:700]
     assert 1 * 4 * len(prompt) * len(prompt) >= MIN_SCORES
 
-    with monkeypatch.context() as plain:
-        plain.setattr(
-            f"{type(layer).__module__}.scaled_dot_product_attention",
-            base.scaled_dot_product_attention,
-        )
+    with plain_attention(layer):
         expected = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=24)]
 
     calls = []
@@ -116,7 +127,7 @@ def test_engines_with_split_attention_decode_exactly_as_plain_mlx_lm(
     monkeypatch.setattr(split, "groups", lambda *a: calls.append(g := original_groups(*a)) or g)
     engine = SpeculativeEngine(registry, SpecConfig(prefill_step_size=1024), cost=COST)
     registry.transfer(engine.name)
-    seq = make_sequence(greedy(prompt, 24), registry.tokenizer)
+    seq = make_sequence(greedy_request("r", prompt, 24), registry.tokenizer)
     engine.admit(seq)
     while engine.active is not None:
         engine.step()
@@ -124,9 +135,7 @@ def test_engines_with_split_attention_decode_exactly_as_plain_mlx_lm(
     assert max(calls) == 2, "the prefill's attention was split"
 
 
-def test_batched_rows_with_split_attention_equal_solo_decoding(
-    on_cpu, tiny_model_dir, reference, monkeypatch
-):
+def test_batched_rows_with_split_attention_equal_solo_decoding(on_cpu, tiny_model_dir, reference):
     _, engine = make_engines(tiny_model_dir)
     model = engine.registry.target.model
     split = cpu_attention.install(model, cores=2)
@@ -135,18 +144,11 @@ def test_batched_rows_with_split_attention_equal_solo_decoding(
     long = tokenizer.encode("def add(a, b):\n    return a + b\n" * 60)[:700]
     short = tokenizer.encode("Once upon a time")
     layer = model.model.layers[0].self_attn
-    with monkeypatch.context() as plain:
-        plain.setattr(
-            f"{type(layer).__module__}.scaled_dot_product_attention",
-            base.scaled_dot_product_attention,
-        )
+    with plain_attention(layer):
         expected = {
             "long": reference.greedy_tokens(long, 20),
             "short": reference.greedy_tokens(short, 30),
         }
-    requests = [
-        GenerationRequest("long", tuple(long), 20, SamplingParams(temperature=0.0)),
-        GenerationRequest("short", tuple(short), 30, SamplingParams(temperature=0.0)),
-    ]
+    requests = [greedy_request("long", long, 20), greedy_request("short", short, 30)]
     seqs, _, _ = run_batch(engine, requests)
     assert {rid: seq.generated for rid, seq in seqs.items()} == expected

@@ -46,9 +46,9 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def largest_divisor(count: int, at_most: int) -> int:
-    """The most groups, at most `at_most`, that `count` heads split into evenly."""
-    return next(d for d in range(min(count, at_most), 0, -1) if count % d == 0)
+def bounds(count: int, groups: int) -> list[int]:
+    """Where `count` heads split into `groups` runs as even as can be (3 into 2: 2 + 1)."""
+    return [round(i * count / groups) for i in range(groups + 1)]
 
 
 class HeadParallelAttention:
@@ -73,12 +73,16 @@ class HeadParallelAttention:
         if groups <= 1:
             return self.original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         heads, kv_heads = queries.shape[1], keys.shape[1]
-        q_size = heads // groups
-        kv_size = kv_heads // groups if kv_heads > 1 else None
+        per_kv = heads // kv_heads  # query heads that share one key/value head
+        # whole key/value heads per group, each with its query heads; with one shared
+        # key/value head, groups of query heads
+        edges = bounds(kv_heads if kv_heads > 1 else heads, groups)
         parts = []
-        for i, stream in enumerate(self._streams(groups)):
-            q_heads = slice(i * q_size, (i + 1) * q_size)
-            kv = slice(i * kv_size, (i + 1) * kv_size) if kv_size else slice(None)
+        for stream, start, end in zip(self._streams(groups), edges[:-1], edges[1:], strict=True):
+            if kv_heads > 1:
+                q_heads, kv = slice(start * per_kv, end * per_kv), slice(start, end)
+            else:
+                q_heads, kv = slice(start, end), slice(None)
             parts.append(
                 mx.fast.scaled_dot_product_attention(
                     queries[:, q_heads],
@@ -100,9 +104,7 @@ class HeadParallelAttention:
         kv_heads, cached = keys.shape[1], keys.shape[2]
         if batch * heads * length * cached < MIN_SCORES or heads % kv_heads:
             return 1
-        # whole key/value heads per group (each with its query heads), or with one
-        # shared key/value head, groups of query heads
-        return largest_divisor(kv_heads if kv_heads > 1 else heads, self.cores)
+        return min(self.cores, kv_heads if kv_heads > 1 else heads)
 
     def _streams(self, count: int) -> list:
         streams = getattr(self._local, "streams", [])

@@ -8,7 +8,7 @@ PRELOAD := $(if $(BLAS),LD_PRELOAD=$(BLAS),)
 
 .PHONY: serve test test-slow lint bench clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml setup.py engines/platform/cpu_softmax.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q -e '.[dev]'

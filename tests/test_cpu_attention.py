@@ -1,19 +1,21 @@
-"""Head-parallel attention on a CPU device: bit-identical to mlx-lm's attention, for
-every mask, head layout and sink MLX takes, and greedy decoding through the engines
-stays token-identical to plain mlx-lm with the attention split."""
+"""Attention on every CPU core (the compiled softmax, or heads split across streams):
+bit-identical to mlx-lm's attention, for every mask, head layout and sink MLX takes,
+and greedy decoding through the engines stays token-identical to plain mlx-lm."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import base
 
 from engines.model.registry import ModelRegistry
 from engines.platform import cpu_attention
-from engines.platform.cpu_attention import MIN_SCORES, HeadParallelAttention
+from engines.platform.cpu_attention import MIN_SCORES, CpuAttention
+from engines.platform.cpu_softmax import NO_MASK, SoftmaxKernel, mlx_softmax
 from engines.sequence import make_sequence
 from engines.single.engine import SpeculativeEngine
 from engines.state import SpecConfig
@@ -50,6 +52,16 @@ def masks(batch, heads, length, cached):
     }
 
 
+@pytest.fixture(scope="module")
+def kernel():
+    """The compiled softmax; it is built by the install, and on Linux x86_64 (CI, this
+    box) it must match MLX's bits, else the fast path silently went missing."""
+    loaded = SoftmaxKernel.load(threads=2)
+    assert loaded is not None, "the compiled CPU softmax did not build or does not match MLX"
+    return loaded
+
+
+@pytest.mark.parametrize("way", ["compiled softmax", "heads split"])
 @pytest.mark.parametrize(
     "heads, kv_heads, cores",
     [(14, 2, 2), (8, 4, 3), (9, 3, 2), (4, 1, 2), (6, 6, 4), (4, 2, 8)],
@@ -62,10 +74,16 @@ def masks(batch, heads, length, cached):
         "more-cores-than-heads",
     ],
 )
-def test_split_attention_is_bit_identical_to_mlx_lm(on_cpu, heads, kv_heads, cores):
+def test_cpu_attention_is_bit_identical_to_mlx_lm(
+    on_cpu, kernel, monkeypatch, way, heads, kv_heads, cores
+):
     batch, length, cached = 2, 128, 1100
     assert batch * heads * length * cached >= MIN_SCORES
-    split = HeadParallelAttention(base.scaled_dot_product_attention, cores)
+    chosen = kernel if way == "compiled softmax" else None
+    split = CpuAttention(base.scaled_dot_product_attention, cores, chosen)
+    softmaxes = []
+    real_softmax = kernel.softmax_
+    monkeypatch.setattr(kernel, "softmax_", lambda *a: softmaxes.append(1) or real_softmax(*a))
     queries, keys, values = attention_inputs(batch, heads, kv_heads, length, cached)
     assert split.groups(queries, keys, None) > 1
     for name, mask in masks(batch, heads, length, cached).items():
@@ -73,13 +91,83 @@ def test_split_attention_is_bit_identical_to_mlx_lm(on_cpu, heads, kv_heads, cor
             expected = base.scaled_dot_product_attention(
                 queries, keys, values, None, scale=0.25, mask=mask, sinks=sinks
             )
+            softmaxes.clear()
             got = split(queries, keys, values, None, scale=0.25, mask=mask, sinks=sinks)
             assert got.shape == expected.shape
             assert mx.array_equal(got, expected).item(), (name, sinks is not None)
+            # the compiled softmax ran where it should (float32, no sinks), nowhere else
+            assert len(softmaxes) == (chosen is not None and sinks is None), name
+
+
+SPECIAL = [
+    0.0,
+    -0.0,
+    1.0,
+    -1.0,
+    0.5,
+    -0.5,
+    88.0,
+    -88.0,
+    88.5,
+    -88.5,
+    87.9,
+    -87.9,
+    200.0,
+    -200.0,
+    1e-30,
+    -1e-30,
+    3.4e38,
+    -3.4e38,
+    0.34657359,
+    -0.34657359,
+    0.49999997,
+]
+
+
+@pytest.mark.parametrize("cached", [1, 7, 8, 9, 15, 16, 17, 63, 255, 1029])
+def test_compiled_softmax_matches_mlx_bit_for_bit(kernel, cached):
+    """Every row length modulo the vector width, masked and not, over ordinary scores and
+    the edges of MLX's exp: its cut-offs at +-88, halves that its `floor(x + 0.5)`
+    rounds in double (0.49999997 rounds up in float), huge, tiny, zeros of either sign,
+    infinities and NaN, and equal maxima."""
+    length = 6
+    rng = np.random.default_rng(cached)
+    base_rows = rng.standard_normal((2, length, cached)).astype(np.float32) * 9
+    special = np.resize(np.array(SPECIAL, np.float32), (2, length, cached))
+    with_specials = np.where(rng.random((2, length, cached)) < 0.3, special, base_rows)
+    with_specials[0, 0, :] = 88.0  # a row of equal maxima
+    with_specials[1, 1, 0] = np.inf
+    with_specials[1, 2, -1] = np.nan
+    with_specials[1, 3, :] = -np.inf
+    for values in (base_rows, with_specials):
+        for offset in (NO_MASK, max(cached - length, 0), cached):
+            ours = mx.array(values)
+            mx.eval(ours)
+            kernel.softmax_(ours, length, offset)
+            expected = mlx_softmax(mx.array(values), offset)
+            assert mx.array_equal(ours, expected, equal_nan=True).item(), (
+                offset,
+                values is base_rows,
+            )
+
+
+def test_the_compiled_softmax_is_refused_where_it_differs_from_mlx(kernel):
+    """The check before use catches a kernel whose bits differ from MLX's (here: by
+    one ulp, as a port of MLX's exp that rounds `x + 0.5` in float sometimes is)."""
+
+    class FloatRounding:
+        @staticmethod
+        def softmax(view, cols, length, offset, threads):
+            kernel.module.softmax(view, cols, length, offset, threads)
+            scores = np.frombuffer(view, np.float32)
+            scores[:] = np.nextafter(scores, np.float32(1))  # one ulp off
+
+    assert kernel.matches_mlx()
+    assert not SoftmaxKernel(FloatRounding(), threads=2).matches_mlx()
 
 
 def test_small_calls_one_core_and_quantized_caches_are_not_split(on_cpu):
-    split = HeadParallelAttention(base.scaled_dot_product_attention, cores=2)
+    split = CpuAttention(base.scaled_dot_product_attention, cores=2)
     decode = attention_inputs(1, 14, 2, 1, 8700)  # one token over a long cache
     assert split.groups(decode[0], decode[1], None) == 1
     chunk = attention_inputs(1, 14, 2, 512, 8700)
@@ -89,7 +177,7 @@ def test_small_calls_one_core_and_quantized_caches_are_not_split(on_cpu):
         bits = 8
 
     assert split.groups(chunk[0], chunk[1], Quantized()) == 1
-    one_core = HeadParallelAttention(base.scaled_dot_product_attention, cores=1)
+    one_core = CpuAttention(base.scaled_dot_product_attention, cores=1)
     assert one_core.groups(chunk[0], chunk[1], None) == 1
 
 
@@ -104,16 +192,18 @@ def plain_attention(layer):
         yield
 
 
-def test_engines_with_split_attention_decode_exactly_as_plain_mlx_lm(
-    on_cpu, tiny_model_dir, monkeypatch
+@pytest.mark.parametrize("way", ["compiled softmax", "heads split"])
+def test_engines_with_cpu_attention_decode_exactly_as_plain_mlx_lm(
+    on_cpu, tiny_model_dir, monkeypatch, way
 ):
-    """A 700-token prompt on the tiny model (4 heads, 2 key/value heads) splits its
-    prefill's attention; the single and batched engines' greedy tokens equal plain
-    mlx-lm's with mlx-lm's own attention."""
+    """A 700-token prompt on the tiny model (4 heads, 2 key/value heads) runs its
+    prefill's attention through the compiled softmax, or split by heads where that is
+    not built; the single engine's greedy tokens equal plain mlx-lm's with mlx-lm's own
+    attention."""
     registry = ModelRegistry.load(str(tiny_model_dir))
     model = registry.target.model
     split = cpu_attention.install(model, cores=2)
-    assert isinstance(split, HeadParallelAttention)
+    assert isinstance(split, CpuAttention)
     layer = model.model.layers[0].self_attn
     assert cpu_attention.attention_of(layer) is split
     prompt = registry.tokenizer.encode("Once upon a time a little robot " * 120)[:700]
@@ -122,9 +212,16 @@ def test_engines_with_split_attention_decode_exactly_as_plain_mlx_lm(
     with plain_attention(layer):
         expected = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=24)]
 
-    calls = []
+    calls, softmaxes = [], []
     original_groups = split.groups
     monkeypatch.setattr(split, "groups", lambda *a: calls.append(g := original_groups(*a)) or g)
+    assert split.kernel is not None, "installed with the compiled softmax"
+    real_softmax = split.kernel.softmax_
+    monkeypatch.setattr(
+        split.kernel, "softmax_", lambda *a: softmaxes.append(a[1]) or real_softmax(*a)
+    )
+    if way == "heads split":
+        monkeypatch.setattr(split, "kernel", None)
     engine = SpeculativeEngine(registry, SpecConfig(prefill_step_size=1024), cost=COST)
     registry.transfer(engine.name)
     seq = make_sequence(greedy_request("r", prompt, 24), registry.tokenizer)
@@ -132,14 +229,21 @@ def test_engines_with_split_attention_decode_exactly_as_plain_mlx_lm(
     while engine.active is not None:
         engine.step()
     assert seq.generated == expected
-    assert max(calls) == 2, "the prefill's attention was split"
+    if way == "heads split":
+        assert max(calls) == 2, "the prefill's attention was split"
+        assert not softmaxes
+    else:
+        # every prefill chunk's softmax (query tokens per call) was the compiled one
+        assert sum(softmaxes) >= len(prompt) - 1, softmaxes
 
 
-def test_batched_rows_with_split_attention_equal_solo_decoding(on_cpu, tiny_model_dir, reference):
+def test_batched_rows_with_cpu_attention_equal_solo_decoding(
+    on_cpu, tiny_model_dir, reference, monkeypatch
+):
     _, engine = make_engines(tiny_model_dir)
     model = engine.registry.target.model
     split = cpu_attention.install(model, cores=2)
-    assert isinstance(split, HeadParallelAttention)
+    assert isinstance(split, CpuAttention)
     tokenizer = reference.tokenizer
     long = tokenizer.encode("def add(a, b):\n    return a + b\n" * 60)[:700]
     short = tokenizer.encode("Once upon a time")
@@ -149,6 +253,12 @@ def test_batched_rows_with_split_attention_equal_solo_decoding(on_cpu, tiny_mode
             "long": reference.greedy_tokens(long, 20),
             "short": reference.greedy_tokens(short, 30),
         }
+    softmaxes = []
+    real_softmax = split.kernel.softmax_
+    monkeypatch.setattr(
+        split.kernel, "softmax_", lambda *a: softmaxes.append(1) or real_softmax(*a)
+    )
     requests = [greedy_request("long", long, 20), greedy_request("short", short, 30)]
     seqs, _, _ = run_batch(engine, requests)
     assert {rid: seq.generated for rid, seq in seqs.items()} == expected
+    assert softmaxes, "the long row's prefill went through the compiled softmax"

@@ -4,6 +4,7 @@ and greedy decoding through the engines stays token-identical to plain mlx-lm.""
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -12,6 +13,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import base
 
+from engines import platform
 from engines.model.registry import ModelRegistry
 from engines.platform import cpu_attention
 from engines.platform.cpu_attention import MIN_SCORES, CpuAttention
@@ -262,3 +264,20 @@ def test_batched_rows_with_cpu_attention_equal_solo_decoding(
     seqs, _, _ = run_batch(engine, requests)
     assert {rid: seq.generated for rid, seq in seqs.items()} == expected
     assert softmaxes, "the long row's prefill went through the compiled softmax"
+
+
+def test_without_the_compiled_softmax_attention_splits_heads(on_cpu, monkeypatch):
+    """Where the extension did not build (no C compiler), loading gives no kernel and
+    the attention falls back to heads split across streams, still bit-identical."""
+    monkeypatch.setitem(sys.modules, "engines.platform._cpu_softmax", None)  # import fails
+    monkeypatch.delattr(platform, "_cpu_softmax", raising=False)
+    assert SoftmaxKernel.load(threads=2) is None
+    attention = CpuAttention(base.scaled_dot_product_attention, 2, SoftmaxKernel.load(2))
+    queries, keys, values = attention_inputs(1, 14, 2, 128, 1100)
+    assert not attention.uses_kernel(queries, keys, None, "causal", None)
+    assert attention.groups(queries, keys, None) == 2
+    expected = base.scaled_dot_product_attention(
+        queries, keys, values, None, scale=0.25, mask="causal"
+    )
+    got = attention(queries, keys, values, None, scale=0.25, mask="causal")
+    assert mx.array_equal(got, expected).item()

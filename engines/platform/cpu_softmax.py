@@ -112,6 +112,9 @@ def attention(
         else:
             scores = mx.add(scores, mask.astype(scores.dtype))
     mx.eval(scores)  # the kernel writes these scores' own (private) buffer
-    kernel.softmax_(scores, length, offset)
+    if memoryview(scores).c_contiguous:  # as a product's or a where's output always is
+        kernel.softmax_(scores, length, offset)
+    else:
+        scores = mlx_softmax(scores, offset)
     out = mx.matmul(scores, values)
     return mx.flatten(out, 1, 2) if repeats > 1 else out

@@ -29,6 +29,7 @@ model makes its own on first use.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -39,6 +40,8 @@ from mlx_lm.models import base
 
 from engines.platform import cpu_softmax
 from engines.platform.cpu_softmax import SoftmaxKernel
+
+log = logging.getLogger(__name__)
 
 # Scores below this many (batch x heads x query tokens x cached tokens) stay on one
 # stream: a decode step's attention is small beside its matrix products, and each
@@ -170,6 +173,8 @@ def install(model: Any, cores: int | None = None) -> CpuAttention | None:
             kernel = SoftmaxKernel.load(cores) if mx.default_device() == mx.cpu else None
             current = CpuAttention(base.scaled_dot_product_attention, cores, kernel)
             namespace.scaled_dot_product_attention = current
+            way = "MLX's softmax compiled" if kernel else "heads split across streams"
+            log.info("CPU attention for %s: %s, %d cores", module, way, cores)
         if isinstance(current, CpuAttention):
             installed = current
     return installed

@@ -281,3 +281,17 @@ def test_without_the_compiled_softmax_attention_splits_heads(on_cpu, monkeypatch
     )
     got = attention(queries, keys, values, None, scale=0.25, mask="causal")
     assert mx.array_equal(got, expected).item()
+
+
+def test_a_compiled_softmax_that_cannot_run_here_is_not_loaded(monkeypatch):
+    """An extension that raises where it would write (say, MLX's buffers turned
+    read-only) leaves the model loading, with MLX's softmax."""
+
+    class ReadOnly:
+        @staticmethod
+        def softmax(view, cols, length, offset, threads):
+            raise TypeError("argument 1 must be read-write bytes-like object")
+
+    monkeypatch.setitem(sys.modules, "engines.platform._cpu_softmax", ReadOnly)
+    monkeypatch.setattr(platform, "_cpu_softmax", ReadOnly, raising=False)
+    assert SoftmaxKernel.load(threads=2) is None

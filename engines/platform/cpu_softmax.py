@@ -46,7 +46,12 @@ class SoftmaxKernel:
             log.info("the compiled CPU softmax is not built; attention uses MLX's softmax")
             return None
         kernel = cls(_cpu_softmax, threads)
-        if not kernel.matches_mlx():
+        try:
+            matches = kernel.matches_mlx()
+        except (TypeError, ValueError, BufferError) as exc:  # e.g. MLX's buffers read-only
+            log.warning("the compiled CPU softmax cannot run here (%s); not used", exc)
+            return None
+        if not matches:
             log.warning("the compiled CPU softmax differs from MLX's here; not used")
             return None
         return kernel

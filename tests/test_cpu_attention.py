@@ -295,3 +295,22 @@ def test_a_compiled_softmax_that_cannot_run_here_is_not_loaded(monkeypatch):
     monkeypatch.setitem(sys.modules, "engines.platform._cpu_softmax", ReadOnly)
     monkeypatch.setattr(platform, "_cpu_softmax", ReadOnly, raising=False)
     assert SoftmaxKernel.load(threads=2) is None
+
+
+def test_one_core_still_gets_the_compiled_softmax(on_cpu, tiny_model_dir):
+    """Its exp is vectorized as well as spread: one core gains too, so a 1-core
+    box installs it (and nothing where the extension is missing: no split to make)."""
+    registry = ModelRegistry.load(str(tiny_model_dir))
+    layer = registry.target.model.model.layers[0].self_attn
+    with plain_attention(layer):
+        installed = cpu_attention.install(registry.target.model, cores=1)
+        assert isinstance(installed, CpuAttention) and installed.kernel is not None
+        assert installed.kernel.threads == 1
+        queries, keys, values = attention_inputs(1, 4, 2, 64, 600)
+        assert installed.uses_kernel(queries, keys, None, "causal", None)
+        assert installed.groups(queries, keys, None) == 1
+        expected = base.scaled_dot_product_attention(
+            queries, keys, values, None, scale=0.25, mask="causal"
+        )
+        got = installed(queries, keys, values, None, scale=0.25, mask="causal")
+        assert mx.array_equal(got, expected).item()

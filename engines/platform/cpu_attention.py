@@ -161,16 +161,16 @@ def _heads_of(mask: Any, heads: slice) -> Any:
 def install(model: Any, cores: int | None = None) -> CpuAttention | None:
     """Make `model`'s architecture use `CpuAttention` (see the module docstring);
     returns the function now in use, None where there is nothing to replace (an
-    architecture with its own attention, or one core)."""
+    architecture with its own attention, or one core and no compiled softmax)."""
     cores = usable_cores() if cores is None else cores
-    if cores <= 1:
-        return None
     installed = None
     for module in {type(layer).__module__ for layer in model.modules()}:
         namespace = sys.modules.get(module)
         current = getattr(namespace, "scaled_dot_product_attention", None)
         if current is base.scaled_dot_product_attention:
             kernel = SoftmaxKernel.load(cores) if mx.default_device() == mx.cpu else None
+            if kernel is None and cores <= 1:
+                continue  # one core and MLX's softmax: nothing to gain
             current = CpuAttention(base.scaled_dot_product_attention, cores, kernel)
             namespace.scaled_dot_product_attention = current
             way = "MLX's softmax compiled" if kernel else "heads split across streams"

@@ -63,6 +63,19 @@ def kernel():
     return loaded
 
 
+def counted_softmaxes(monkeypatch, kernel: SoftmaxKernel) -> list[int]:
+    """The query tokens of each call `kernel` runs from now on (it still runs them)."""
+    calls: list[int] = []
+    real_softmax = kernel.softmax_
+
+    def counted(scores, query_len, offset):
+        calls.append(query_len)
+        real_softmax(scores, query_len, offset)
+
+    monkeypatch.setattr(kernel, "softmax_", counted)
+    return calls
+
+
 @pytest.mark.parametrize("way", ["compiled softmax", "heads split"])
 @pytest.mark.parametrize(
     "heads, kv_heads, cores",
@@ -83,9 +96,7 @@ def test_cpu_attention_is_bit_identical_to_mlx_lm(
     assert batch * heads * length * cached >= MIN_SCORES
     chosen = kernel if way == "compiled softmax" else None
     split = CpuAttention(base.scaled_dot_product_attention, cores, chosen)
-    softmaxes = []
-    real_softmax = kernel.softmax_
-    monkeypatch.setattr(kernel, "softmax_", lambda *a: softmaxes.append(1) or real_softmax(*a))
+    softmaxes = counted_softmaxes(monkeypatch, kernel)
     queries, keys, values = attention_inputs(batch, heads, kv_heads, length, cached)
     assert split.groups(queries, keys, None) > 1
     for name, mask in masks(batch, heads, length, cached).items():
@@ -214,14 +225,11 @@ def test_engines_with_cpu_attention_decode_exactly_as_plain_mlx_lm(
     with plain_attention(layer):
         expected = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=24)]
 
-    calls, softmaxes = [], []
+    calls = []
     original_groups = split.groups
     monkeypatch.setattr(split, "groups", lambda *a: calls.append(g := original_groups(*a)) or g)
     assert split.kernel is not None, "installed with the compiled softmax"
-    real_softmax = split.kernel.softmax_
-    monkeypatch.setattr(
-        split.kernel, "softmax_", lambda *a: softmaxes.append(a[1]) or real_softmax(*a)
-    )
+    softmaxes = counted_softmaxes(monkeypatch, split.kernel)
     if way == "heads split":
         monkeypatch.setattr(split, "kernel", None)
     engine = SpeculativeEngine(registry, SpecConfig(prefill_step_size=1024), cost=COST)
@@ -255,11 +263,7 @@ def test_batched_rows_with_cpu_attention_equal_solo_decoding(
             "long": reference.greedy_tokens(long, 20),
             "short": reference.greedy_tokens(short, 30),
         }
-    softmaxes = []
-    real_softmax = split.kernel.softmax_
-    monkeypatch.setattr(
-        split.kernel, "softmax_", lambda *a: softmaxes.append(1) or real_softmax(*a)
-    )
+    softmaxes = counted_softmaxes(monkeypatch, split.kernel)
     requests = [greedy_request("long", long, 20), greedy_request("short", short, 30)]
     seqs, _, _ = run_batch(engine, requests)
     assert {rid: seq.generated for rid, seq in seqs.items()} == expected

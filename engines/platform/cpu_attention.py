@@ -116,12 +116,9 @@ class CpuAttention:
 
     def groups(self, queries: mx.array, keys: mx.array, cache: Any) -> int:
         """How many groups of heads this call splits into (1: not split)."""
-        if self.cores <= 1 or mx.default_device() != mx.cpu or hasattr(cache, "bits"):
+        if self.cores <= 1 or _cpu_scores(queries, keys, cache) < MIN_SCORES:
             return 1
-        batch, heads, length, _ = queries.shape
-        kv_heads, cached = keys.shape[1], keys.shape[2]
-        if batch * heads * length * cached < MIN_SCORES or heads % kv_heads:
-            return 1
+        heads, kv_heads = queries.shape[1], keys.shape[1]
         return min(self.cores, kv_heads if kv_heads > 1 else heads)
 
     def uses_kernel(
@@ -129,18 +126,14 @@ class CpuAttention:
     ) -> bool:
         """Whether the compiled softmax takes this call: float32 without sinks on a CPU
         device, unquantized, and big enough."""
-        if self.kernel is None or sinks is not None or hasattr(cache, "bits"):
+        if self.kernel is None or sinks is not None:
             return False
         if queries.dtype != mx.float32 or keys.dtype != mx.float32:
             return False
-        if mx.default_device() != mx.cpu:
-            return False
-        batch, heads, length, _ = queries.shape
-        kv_heads, cached = keys.shape[1], keys.shape[2]
-        if batch * heads * length * cached < KERNEL_MIN_SCORES or heads % kv_heads:
+        if _cpu_scores(queries, keys, cache) < KERNEL_MIN_SCORES:
             return False
         # a causal chunk longer than its cache is no prompt's; MLX's mask has it
-        return not (isinstance(mask, str) and cached < length)
+        return not (isinstance(mask, str) and keys.shape[2] < queries.shape[2])
 
     def _streams(self, count: int) -> list:
         streams = getattr(self._local, "streams", [])
@@ -148,6 +141,17 @@ class CpuAttention:
             streams.append(mx.new_stream(mx.cpu))
         self._local.streams = streams
         return streams[:count]
+
+
+def _cpu_scores(queries: mx.array, keys: mx.array, cache: Any) -> int:
+    """The call's scores (batch x heads x query tokens x cached tokens) where either way
+    may take it: a CPU device, an unquantized cache, whole query heads per key/value
+    head; 0 elsewhere."""
+    if mx.default_device() != mx.cpu or hasattr(cache, "bits"):
+        return 0
+    batch, heads, length, _ = queries.shape
+    kv_heads, cached = keys.shape[1], keys.shape[2]
+    return 0 if heads % kv_heads else batch * heads * length * cached
 
 
 def _heads_of(mask: Any, heads: slice) -> Any:

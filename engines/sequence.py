@@ -55,6 +55,13 @@ class Sequence:
     # its API key's recent requests, read-only (engines.drafting.suffix.SuffixReader; the
     # scheduler sets it at admission, only ever to the request's own key's): None = none
     suffix: Drafter | None = None
+    # Prefill followers (scheduler/prefill_followers.py): `prefilled` is how many tokens its
+    # cache holds, as the engine last fed its prompt (a waiting request of its key
+    # watches it); `keep_at`, filled by the scheduler, holds prompt positions where the
+    # engine stops a prefill chunk and copies the cache out for the prefix cache, for
+    # the requests of its key that wait for them.
+    prefilled: int = 0
+    keep_at: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.stop = StopMatcher(self.request.stop)
@@ -70,6 +77,11 @@ class Sequence:
     @property
     def all_tokens(self) -> list[int]:
         return [*self.request.prompt_tokens, *self.generated]
+
+    def prefill_stop(self, held: int, end: int) -> int:
+        """Where a prefill chunk from `held` stops before `end`: at the nearest position
+        to keep (`keep_at`)."""
+        return min((p for p in self.keep_at if held < p < end), default=end)
 
     @property
     def sources(self) -> TokenSources:

@@ -5,7 +5,8 @@ Each iteration the mode policy picks the engine for the number of active request
 if it changes, the in-flight requests move with their KV caches (`EnginePair.switch`).
 Then waiting requests start: from the longest cached prefix of their prompts
 (`PrefixReuse`), where they were paused or preempted, or -- asking for their prompt's
-logprobs -- scored a chunk per iteration first (`ScoringQueue`).
+logprobs -- scored a chunk per iteration first (`ScoringQueue`). One whose prefix is
+still being prefilled for another request of its key waits for that (`PrefillFollowers`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from scheduler.config import SchedulerConfig
     from scheduler.engine_pair import EnginePair
     from scheduler.policy import ModePolicy
+    from scheduler.prefill_followers import PrefillFollowers
     from scheduler.prefix_reuse import PrefixReuse
     from scheduler.requests import RequestTable
     from scheduler.scoring import ScoringQueue
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 class Admitting:
     """The scheduler's admission and mode switches. It keeps no state of its own: what
     it reads and changes -- the request table, the engines, the scoring queue, the
-    policy, the prefix reuse, `_last_step` -- belongs to the engine thread."""
+    policy, the prefix reuse and prefill followers, `_last_step` -- belongs to the engine thread."""
 
     config: SchedulerConfig
     requests: RequestTable
@@ -48,6 +50,7 @@ class Admitting:
     throughput: ThroughputModel
     _policy: ModePolicy
     _reuse: PrefixReuse
+    _followers: PrefillFollowers
     _scoring: ScoringQueue
 
     def _schedule(self) -> None:
@@ -67,21 +70,31 @@ class Admitting:
                 break
             tracked = waiting.first(ready)
             if tracked is None:
-                break  # the rest wait for their prefixes from disk
+                break  # the rest wait for their prefixes: from disk, or being prefilled
             if not self._kv_admits(tracked):
                 break  # it waits for room in the KV budget
             self._start(waiting.take(tracked), engine)
             self._last_step = None  # the next step prefills: not a decode-rate sample
 
     def _prefix_ready(self, tracked: TrackedRequest) -> bool:
-        """Not waiting for its prefix's file to be read (`PrefixReuse.waits_for_disk`)."""
+        """Not waiting for its prefix: neither for its file to be read
+        (`PrefixReuse.waits_for_disk`) nor for another request's prefill of it
+        (`PrefillFollowers.waits`)."""
+        if self._waits_for_prefill(tracked):
+            return False
         return not self._reuse.waits_for_disk(tracked)
+
+    def _waits_for_prefill(self, tracked: TrackedRequest) -> bool:
+        return self._followers.waits(tracked, self.requests, time.monotonic())
 
     def _admissible(self) -> int:
         """How many waiting requests to admit now: all that fit, unless they should
-        wait for the running work to finish speculatively (`spec_wait_budget`)."""
+        wait for the running work to finish speculatively (`spec_wait_budget`). Those
+        waiting for another's prefill do not count: they must not switch the mode (and
+        move that prefill to the batched engine) before they can start."""
         running, waiting = self.requests.running, self.requests.waiting
-        free = min(len(waiting), self.config.max_num_seqs - len(running))
+        followers = sum(1 for tracked in waiting if self._waits_for_prefill(tracked))
+        free = min(len(waiting) - followers, self.config.max_num_seqs - len(running))
         if free > 1 or (free and running):
             if self._serial_wait_fits(free):
                 return 0 if running else 1
@@ -115,6 +128,7 @@ class Admitting:
                 extra.append(grammar.processor(tracked.request.constraint, len(prompt)))
             tracked.seq = make_sequence(tracked.request, self.registry.tokenizer, extra)
             tracked.seq.suffix = self.suffix.reader(tracked.request.cache_scope)  # its key's only
+            tracked.seq.keep_at = set(tracked.keep_at)  # positions waited for (prefill followers)
             marker = self.config.fault_marker  # a test hook (`engines.faults`)
             arm(tracked.seq, marker, self.registry.tokenizer.decode(prompt) if marker else "")
             if tracked.request.prompt_logprobs is not None:
@@ -124,7 +138,7 @@ class Admitting:
                 self.requests.running[request_id] = tracked
                 return
             state = self._reuse.start(tracked.seq, self.registry.target.model)
-            tracked.cached_tokens = state.cached
+            tracked.cached_tokens = tracked.seq.prefilled = state.cached
             engine.admit(state)
             tracked.modes.append(self.mode.value)
         except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop

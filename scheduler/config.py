@@ -52,6 +52,11 @@ class SchedulerConfig:
     # most this many tokens per key (about 110 bytes each) and this many keys, draft
     # for its new requests (0: off).
     suffix_tokens_per_key: int = 1 << 16
+    # Prefill followers (scheduler/prefill_followers.py): a request waits for a running
+    # prefill of its key that shares at least this many prompt tokens with it (0: never),
+    # unless that prefill makes no progress for `prefill_follow_stall_s` seconds.
+    prefill_follow_min_tokens: int = 256
+    prefill_follow_stall_s: float = 60.0
     suffix_max_keys: int = 32
     # KV memory of running requests and the prefix cache together (--max-kv-gb);
     # None: a share of the machine's memory (scheduler/kv_budget.py)

@@ -96,12 +96,13 @@ class PrefixCache:
         worth reading ahead (`DiskTier.prefetch`)."""
         if self.disk is None:
             return None
-        found = self.disk.best(tokens, scope, self._memory_serves(tokens, scope))
+        found = self.disk.best(tokens, scope, self.memory_serves(tokens, scope))
         return found[0] if found is not None else None
 
-    def _memory_serves(self, tokens: list[int], scope: str) -> int:
+    def memory_serves(self, tokens: list[int], scope: str) -> int:
         """About how many of `tokens` memory serves, from mlx-lm's trie alone (a
-        lookup would copy the entry): whether a file is worth reading ahead."""
+        lookup would copy the entry): whether a file is worth reading ahead, or
+        another request's prefill worth waiting for (`PrefillFollowers`)."""
         lru = self._scopes.get(scope)
         if lru is None:
             return 0

@@ -40,6 +40,7 @@ from scheduler.observer import NullObserver, SchedulerObserver
 from scheduler.pausing import Pausing
 from scheduler.policy import Mode, ModePolicy
 from scheduler.preemption import Preemption
+from scheduler.prefill_followers import PrefillFollowers
 from scheduler.prefix_cache import PrefixCache
 from scheduler.prefix_disk import disk_tier
 from scheduler.prefix_reuse import PrefixReuse
@@ -64,7 +65,7 @@ class SchedulerState(str, enum.Enum):
 
 
 class Scheduler(Admitting, Stepping, Pausing, Preemption):
-    """Thread ownership: `requests`, `engines`, `_reuse`, `_scoring`, `_policy`,
+    """Thread ownership: `requests`, `engines`, `_reuse`, `_followers`, `_scoring`, `_policy`,
     `_last_step`, `counters`, `throughput`, `suffix` and `kv`'s reservations belong to
     the engine thread; `state`, `error` and `model_info` are written by the engine
     thread (or, as a last resort, the rank watch: `_rank_lost`) and read anywhere;
@@ -100,6 +101,12 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
         )
         self._reuse = PrefixReuse(self._prefix)
         self.counters = SchedulerCounters()
+        self._followers = PrefillFollowers(
+            self._prefix,
+            self.counters,
+            config.prefill_follow_min_tokens,
+            config.prefill_follow_stall_s,
+        )
         self.suffix = SuffixStore(config.suffix_tokens_per_key, config.suffix_max_keys)
         self.throughput = config.throughput_model or ThroughputModel()
         self._last_step: tuple[tuple[Mode, int], float] | None = None  # shape, end time
@@ -311,6 +318,7 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
     def _load(self) -> None:
         loaded = load_model(self.config)
         self.engines.load(loaded, prefix_cache=self._prefix is not None)
+        self._followers.cuts_back = not loaded.info.prompt_checkpoints
         if self._prefix is not None:  # its disk tier, for this model (scheduler/prefix_disk.py)
             self._prefix.attach(self.registry, self.config.draft_vocab)
         if self.registry.lockstep is not None:

@@ -42,6 +42,13 @@ class TrackedRequest:
     parked: SequenceState | None = None  # the paused sequence, KV cache and all
     disk_checked: bool = False  # the prefix cache's disk tier was asked for its prompt
     disk_entry: Any = None  # the disk entry read ahead for it (`PrefixReuse.waits_for_disk`)
+    # Prefill followers (scheduler/prefill_followers.py): whether it was asked if it waits for
+    # another request's prefill, the one it waits for (None: none, or no longer), and
+    # the prompt positions whose cache its own prefill keeps for requests waiting on it
+    # (copied into its sequence's `keep_at`).
+    follow_checked: bool = False
+    following: Any = None
+    keep_at: set[int] = field(default_factory=set)
 
     @property
     def unread(self) -> int:

@@ -325,6 +325,15 @@ def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
         "(0 disables; default: $TANDEM_PREFIX_CACHE_DISK_GB, else 4)",
     )
     parser.add_argument(
+        "--prefill-follow-min-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="a request whose prompt shares at least N tokens with a prompt of its API key "
+        "still being prefilled waits for that prefill and starts from it, instead of "
+        "prefilling them again (agents starting together; 0 disables)",
+    )
+    parser.add_argument(
         "--max-kv-gb",
         type=float,
         default=None,

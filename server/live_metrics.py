@@ -78,6 +78,7 @@ class LiveGauges(Collector):
         yield from _suffix_metrics(m, scheduler.suffix.stats())
         yield from _kv_metrics(m, scheduler.kv_stats)
         yield from _prefix_metrics(m, scheduler.prefix_stats)
+        yield from _follow_metrics(m, dict(scheduler.counters.prefill_follows))
         yield from self._cost_gauges(m, scheduler.speculation_costs)
 
     @staticmethod
@@ -137,6 +138,20 @@ def _prefix_metrics(m: str, prefix: dict | None) -> Iterator:
         hits.add_metric([m, tier], prefix["hits"][tier] if prefix else 0)
     disk.add_metric([m], prefix["disk"]["bytes"] if prefix and prefix["disk"] else 0)
     yield from (hits, disk)
+
+
+def _follow_metrics(m: str, follows: dict[str, int]) -> Iterator:
+    """Requests that waited for another request's prefill of their prefix (same API
+    key), by how the wait ended (scheduler/prefill_followers.py)."""
+    family = CounterMetricFamily(
+        "tandem_prefill_follows",
+        "Requests that waited for a prefill of their prefix by another request of their key, "
+        "by outcome (served, left, stalled).",
+        labels=["model_name", "outcome"],
+    )
+    for outcome in ("served", "left", "stalled"):
+        family.add_metric([m, outcome], follows.get(outcome, 0))
+    yield family
 
 
 def _kv_metrics(m: str, kv: dict | None) -> Iterator:

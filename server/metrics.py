@@ -363,6 +363,7 @@ class Metrics:
                 f"{a}->{b}": n for (a, b), n in sorted(scheduler.counters.mode_switches.items())
             },
             "migrated_requests": scheduler.counters.migrated_requests,
+            "prefill_follows": dict(scheduler.counters.prefill_follows),
             "batch_sizes": {str(k): v for k, v in sorted(scheduler.counters.batch_sizes.items())},
             "batched_engine_started": scheduler.batched_engine is not None,
             "memory_bytes": dict(scheduler.memory),

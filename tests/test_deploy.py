@@ -67,6 +67,7 @@ EXPORTED_METRICS = frozenset(
         "tandem_suffix_evicted_sequences_total",
         "tandem_prefix_cache_hits_total",
         "tandem_prefix_cache_disk_bytes",
+        "tandem_prefill_follows_total",
     }
 )
 HISTOGRAMS = frozenset(

@@ -51,7 +51,7 @@ from engines.batched.membership import BatchMembership
 from engines.batched.mtp import BatchedMTP
 from engines.batched.packed_forward import ChunkFeed, supports_packing
 from engines.batched.pipeline import Cadence, InFlight, queue_plain
-from engines.batched.prefill_groups import PrefillGroup, prefill_next
+from engines.batched.prefill_groups import Checkpoints, PrefillGroup, prefill_next
 from engines.batched.step_plan import StepKind, plan_step
 from engines.batched.verify import accept_rows, commit_row, process_rows
 from engines.cache.ragged_cache import RaggedKVCache
@@ -309,7 +309,7 @@ class BatchedSpeculativeEngine(BatchMembership):
     def _prefill_next(self, feed: ChunkFeed, decoding: bool):
         """One chunk of the next prefill group, of the pacer's size for whether rows
         decode, fed through `feed` (`prefill_next`: the joining rows and outputs)."""
-        checkpoints = self._result.checkpoints if self.checkpoint_prompts else None
+        checkpoints = Checkpoints(self._result.checkpoints, self.checkpoint_prompts)
         chunk = self.pacer.next_chunk(decoding)
         return prefill_next(
             self.groups,

@@ -36,6 +36,16 @@ MAX_PASSED_OVER = 8
 
 
 @dataclass
+class Checkpoints:
+    """What prefill chunks keep for the prefix cache: `taken`, the states copied out
+    (the engine's result's list), and whether rows stop at their prompts' checkpoint
+    positions (`at_positions`: caches that cannot be cut back, and a prefix cache)."""
+
+    taken: list[SequenceState]
+    at_positions: bool
+
+
+@dataclass
 class PrefillGroup:
     """Newcomers prefilling together before they join the batch."""
 
@@ -74,16 +84,23 @@ class PrefillGroup:
             mx.eval([layer.state for layer in cache])  # not views of the group's
         return SequenceState(self.rows[index].seq, cache, self.cache[0].held[index])
 
-    def checkpoints(self, before: list[int]) -> list[SequenceState]:
-        """Rows whose prompt (or a checkpoint in it) was just prefilled (they held
-        `before`) into caches that cannot be cut back later (recurrent state): each
-        row's, copied out, so the same prompt again starts from here."""
+    def checkpoints(self, before: list[int], untrimmable: bool) -> list[SequenceState]:
+        """Rows whose caches as they are now become prefix-cache entries, each row's
+        copied out: with `untrimmable`, those whose prompt (or a checkpoint in it) was just
+        prefilled (they held `before`) into caches that cannot be cut back later
+        (recurrent state), so the same prompt again starts from here; and those that
+        just reached a prompt position requests of their key wait for
+        (`Sequence.keep_at`)."""
         taken = []
         for i, (row, held) in enumerate(zip(self.rows, self.cache[0].held, strict=True)):
-            if held == before[i] or not at_checkpoint(row.seq.request, held, len(row.tokens) - 1):
+            end = len(row.tokens) - 1
+            if held == before[i]:
+                continue
+            awaited = held in row.seq.keep_at
+            if not awaited and not (untrimmable and at_checkpoint(row.seq.request, held, end)):
                 continue
             cache = [layer.extract(i) for layer in self.cache]
-            if not can_trim_prompt_cache(cache):
+            if awaited or not can_trim_prompt_cache(cache):
                 mx.eval([layer.state for layer in cache])  # not views of the group's
                 taken.append(SequenceState(row.seq, cache, held))
         return taken
@@ -132,38 +149,43 @@ def prefill_chunk(
     mtp: BatchedMTP | None,
     group: PrefillGroup,
     chunk: int,
-    checkpoints,
+    checkpoints: Checkpoints,
     feed: Callable = feed_rows,
 ) -> tuple[list[int], list[StepOutput]]:
     """Feed the group's rows their next `chunk` of prompt (target and draft caches,
-    up to a prompt checkpoint when `checkpoints`, a list, collects them); the rows whose
-    prompts are then in get their first tokens: (their indices, outputs). `feed` runs
-    the target forward (`feed_rows`'s signature): a packed one carries the decoding
-    rows' step along (`packed_forward`)."""
+    up to a prompt checkpoint when `checkpoints.at_positions`); the rows whose prompts
+    are then in get their first tokens: (their indices, outputs). What becomes a
+    prefix-cache entry is added to `checkpoints.taken`. `feed` runs the target forward
+    (`feed_rows`'s signature): a packed one carries the decoding rows' step along
+    (`packed_forward`)."""
     before = list(group.cache[0].held)
     chunks = [
-        r.tokens[held : min(_prefill_end(r, held, checkpoints is not None), held + chunk)]
+        r.tokens[held : min(_prefill_end(r, held, checkpoints.at_positions), held + chunk)]
         for r, held in zip(group.rows, before, strict=True)
     ]
     if any(chunks):
         feed(model, group.cache, chunks)
     after = list(group.cache[0].held)
+    for row, held in zip(group.rows, after, strict=True):
+        row.seq.prefilled = held
     if group.draft_cache is not None:
         drafter.prefill(group.rows, group.draft_cache, before, after)
     # Evaluate all of it now, so no later step's timing absorbs this prefill.
     layers = [*group.cache, *(group.draft_cache or [])]
     mx.eval([layer.state for layer in layers if layer.nbytes])
     check(group.rows, "prefill")
-    if checkpoints is not None:
-        checkpoints += group.checkpoints(before)
+    checkpoints.taken += group.checkpoints(before, checkpoints.at_positions)
     ready = [i for i, row in enumerate(group.rows) if group.prefilled(i)]
     return ready, first_tokens(model, mtp, group, ready) if ready else []
 
 
 def _prefill_end(row: BatchRow, held: int, checkpoint: bool) -> int:
-    """Where the row's prefill stops next: its prompt's end, or a checkpoint."""
+    """Where the row's prefill stops next: its prompt's end, a checkpoint, or a
+    position to keep."""
     end = len(row.tokens) - 1
-    return next_checkpoint(row.seq.request, held, end) if checkpoint else end
+    if checkpoint:
+        end = next_checkpoint(row.seq.request, held, end)
+    return row.seq.prefill_stop(held, end)
 
 
 def take_ready(
@@ -195,7 +217,7 @@ def prefill_next(
     drafter,
     mtp: BatchedMTP | None,
     chunk: int,
-    checkpoints: list | None,
+    checkpoints: Checkpoints,
     contain: bool,
     feed: Callable = feed_rows,
 ) -> tuple[tuple[list[BatchRow], list, list | None] | None, list[StepOutput]]:

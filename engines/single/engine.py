@@ -274,6 +274,7 @@ class SpeculativeEngine:
         end = len(active.tokens) - 1
         if self.checkpoint_prompts:
             end = next_checkpoint(active.seq.request, active.cached, end)
+        end = active.seq.prefill_stop(active.cached, end)
         started = time.perf_counter()
         chunk = mx.array(active.tokens[active.cached : end][: self.pacer.next_chunk(False)])
         if self._feeds_mtp(active):
@@ -290,20 +291,25 @@ class SpeculativeEngine:
         if active.processors:
             active.history = mx.concat([active.history, chunk])
         active.cached += chunk.size
+        active.seq.prefilled = active.cached
         self.pacer.observe(chunk.size, time.perf_counter() - started, False, decoding=False)
-        if self.checkpoint_prompts and at_checkpoint(active.seq.request, active.cached, end):
-            self._checkpoint(active)
-        mx.clear_cache()
-
-    def _checkpoint(self, active: Active) -> None:
-        """A prompt (or its checkpoint position) just prefilled into caches that cannot
-        be cut back later (recurrent state, a slid window): keep them as they are now,
-        so the same prompt again -- a retry, another choice, a shared system prompt --
-        starts from here (free: the arrays are shared values until the sequence's own
-        updates replace them)."""
-        if not can_trim_prompt_cache(active.cache):
+        if self._keeps_checkpoint(active, end):
             copy = detached_copy(active.cache)
             self._result.checkpoints.append(SequenceState(active.seq, copy, active.cached))
+        mx.clear_cache()
+
+    def _keeps_checkpoint(self, active: Active, end: int) -> bool:
+        """Whether the caches as they are now become a prefix-cache entry (free: the
+        arrays are shared values until the sequence's own updates replace them): a
+        prompt, or its checkpoint position, just prefilled into caches that cannot be cut
+        back later (recurrent state, a slid window), so the same prompt again -- a retry,
+        another choice, a shared system prompt -- starts from here; or a prompt
+        position that requests of its key wait for (`Sequence.keep_at`)."""
+        seq = active.seq
+        if active.cached in seq.keep_at:
+            return True
+        checkpoint = self.checkpoint_prompts and at_checkpoint(seq.request, active.cached, end)
+        return checkpoint and not can_trim_prompt_cache(active.cache)
 
     def _forward_and_sample(
         self, active: Active, tokens: mx.array, position: int

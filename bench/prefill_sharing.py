@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,9 +112,11 @@ def long_prompt(tokenizer, corpus: str, phase: int, tokens: int) -> list[int]:
 
 @dataclass
 class StreamLog:
-    """SSE chunk arrival times of the decoding stream (monotonic seconds)."""
+    """SSE chunk arrival times of the decoding stream (monotonic seconds), and each
+    chunk's text."""
 
     arrivals: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     started: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
@@ -165,6 +168,7 @@ def run_stream(base: str, max_tokens: int, log: StreamLog) -> None:
             response.raise_for_status()
             for event in chunks(response):
                 log.arrivals.append(time.monotonic())
+                log.texts.append(event["choices"][0].get("text") or "")
                 log.started.set()
                 log.finish = event["choices"][0].get("finish_reason") or log.finish
                 if log.stop.is_set():
@@ -175,8 +179,12 @@ def run_stream(base: str, max_tokens: int, log: StreamLog) -> None:
         log.started.set()
 
 
-def shared_phase(base: str, ids: list[int], settings: Settings) -> dict[str, Any]:
-    """The stream decodes; after `before_chunks` of it the long prompt arrives."""
+def shared_phase(
+    base: str, ids: list[int], settings: Settings, count_tokens: Callable[[str], int]
+) -> dict[str, Any]:
+    """The stream decodes; after `before_chunks` of it the long prompt arrives.
+    `count_tokens`: the model tokenizer's count of a text (the stream's tokens a second
+    in each window, since one chunk may carry several tokens)."""
     log = StreamLog()
     thread = threading.Thread(target=run_stream, args=(base, 4096, log), daemon=True)
     thread.start()
@@ -196,6 +204,7 @@ def shared_phase(base: str, ids: list[int], settings: Settings) -> dict[str, Any
     thread.join(60)
     arrivals = list(log.arrivals)
     figures = gap_figures(arrivals, sent, first)
+    figures["tokens_per_s"] = window_rates(arrivals, list(log.texts), sent, first, count_tokens)
     # each chunk's arrival, seconds from when the long prompt was sent
     figures["arrivals_s"] = [round(t - sent, 4) for t in arrivals]
     return {"ttft_s": ttft, **figures, "error": log.error}
@@ -233,7 +242,35 @@ def gap_figures(arrivals: list[float], sent: float, first: float) -> dict[str, A
     }
 
 
-def measure_server(settings: Settings, prompts: list[list[int]]) -> dict[str, Any]:
+def window_rates(
+    arrivals: list[float],
+    texts: list[str],
+    sent: float,
+    first: float,
+    count_tokens: Callable[[str], int],
+) -> dict[str, float | None]:
+    """The stream's tokens a second before the long prompt was sent, during its prefill
+    and after its first token: the tokens of the chunks that arrived in the window (the
+    text re-tokenized as a whole) over the time from the chunk before them to the last."""
+
+    def rate(low: float, high: float) -> float | None:
+        inside = [i for i, t in enumerate(arrivals) if low < t <= high and i > 0]
+        if not inside:
+            return None
+        seconds = arrivals[inside[-1]] - arrivals[inside[0] - 1]
+        text = "".join(texts[i] for i in inside)
+        return count_tokens(text) / seconds if seconds > 0 else None
+
+    return {
+        "before": rate(float("-inf"), sent),
+        "during": rate(sent, first),
+        "after": rate(first, float("inf")),
+    }
+
+
+def measure_server(
+    settings: Settings, prompts: list[list[int]], count_tokens: Callable[[str], int]
+) -> dict[str, Any]:
     from bench.agent import start_tandem
     from bench.blas_probe import server_blas
     from bench.single_stream import free_port, stop_server
@@ -252,7 +289,7 @@ def measure_server(settings: Settings, prompts: list[list[int]]) -> dict[str, An
         httpx.post(f"{base}/v1/completions", json={**completion_body("hi", 2), "stream": False})
         first_token_s(base, prompts[0])
         alone = first_token_s(base, prompts[1])
-        shared = shared_phase(base, prompts[2], settings)
+        shared = shared_phase(base, prompts[2], settings, count_tokens)
         blas = server_blas(base, None)
     finally:
         stop_server(proc)
@@ -349,6 +386,9 @@ def report_text(result: dict[str, Any]) -> str:
         f"   stream median gap: all {fmt(med['all'], 'ms', 1000)}, before "
         f"{fmt(med['before'], 'ms', 1000)}, during {fmt(med['during'], 'ms', 1000)}, after "
         f"{fmt(med['after'], 'ms', 1000)}, before and after {fmt(med['undisturbed'], 'ms', 1000)}",
+        "   stream tokens/s: "
+        + ", ".join(f"{k} {fmt(v, '')}" for k, v in shared["tokens_per_s"].items())
+        + " (a chunk may carry several tokens)",
         f"   stream largest gap: {fmt(shared['largest_gap_s'], 'ms', 1000)} (during the "
         f"prefill {fmt(shared['largest_during_s'], 'ms', 1000)}); largest / median "
         f"{fmt(ratio, '')}, / median before and after {fmt(ratio_undisturbed, '')}",
@@ -389,7 +429,11 @@ def main(argv: list[str]) -> None:
     corpus = corpus_text()
     warm = long_prompt(tokenizer, corpus, 0, min(512, settings.prompt_tokens))
     prompts = [warm, *(long_prompt(tokenizer, corpus, p, settings.prompt_tokens) for p in (1, 2))]
-    server = measure_server(settings, prompts)
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    server = measure_server(settings, prompts, count_tokens)
     mlx = measure_mlx_lm(settings, prompts[1])
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

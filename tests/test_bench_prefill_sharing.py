@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.prefill_sharing import window_rates
+
 ROOT = Path(__file__).resolve().parents[1]
 # the short form's bound: 8 s on an idle 2-core CPU (tiny model already built)
 SHORT_S = 60
@@ -53,6 +55,8 @@ def test_short_form_reports_the_stream_decoding_through_the_prefill(tmp_path):
     assert shared["gaps"]["during"] >= 2, shared
     gaps = shared["median_gap_s"]
     assert all(gaps[k] > 0 for k in ("all", "before", "during", "after")), gaps
+    rates = shared["tokens_per_s"]  # each window's tokens over its time: a real rate
+    assert all(rates[k] > 0 for k in ("before", "during", "after")), rates
     assert shared["largest_gap_s"] >= shared["largest_during_s"] > 0
     # the stream's largest gap is shorter than the whole prefill it shared the engine with
     assert shared["largest_during_s"] < shared["ttft_s"], shared
@@ -65,5 +69,24 @@ def test_short_form_reports_the_stream_decoding_through_the_prefill(tmp_path):
 
     text = text_out.read_text()
     assert text.strip() == result.stdout.strip()
-    for needle in ("BLAS: server", "load average", "float32", "shared / alone", "targets"):
+    for needle in (
+        "BLAS: server",
+        "load average",
+        "float32",
+        "shared / alone",
+        "tokens/s",
+        "targets",
+    ):
         assert needle in text, needle
+
+
+def test_window_rates_count_each_windows_tokens_over_its_time():
+    arrivals = [0.0, 1.0, 2.0, 3.0, 5.0, 6.0, 6.5]
+    texts = ["a ", "b c ", "d ", "e f g ", "h ", "i j ", "k "]
+    rates = window_rates(arrivals, texts, 2.5, 5.5, lambda text: len(text.split()))
+    assert rates == {"before": 3 / 2.0, "during": 4 / 3.0, "after": 3 / 1.5}
+    assert window_rates([0.0], ["a"], 1.0, 2.0, len) == {
+        "before": None,
+        "during": None,
+        "after": None,
+    }

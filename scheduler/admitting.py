@@ -128,7 +128,8 @@ class Admitting:
                 extra.append(grammar.processor(tracked.request.constraint, len(prompt)))
             tracked.seq = make_sequence(tracked.request, self.registry.tokenizer, extra)
             tracked.seq.suffix = self.suffix.reader(tracked.request.cache_scope)  # its key's only
-            tracked.seq.keep_at = set(tracked.keep_at)  # positions waited for (prefill followers)
+            # positions followers wait for: the same set, so those added later reach it too
+            tracked.seq.keep_at = tracked.keep_at
             marker = self.config.fault_marker  # a test hook (`engines.faults`)
             arm(tracked.seq, marker, self.registry.tokenizer.decode(prompt) if marker else "")
             if tracked.request.prompt_logprobs is not None:

@@ -26,6 +26,9 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engines.request import common_prefix
+from scheduler.requests import Place
+
 if TYPE_CHECKING:
     from scheduler.counters import SchedulerCounters
     from scheduler.prefix_cache import PrefixCache
@@ -36,7 +39,6 @@ log = logging.getLogger(__name__)
 
 MIN_SHARED_TOKENS = 256  # a shorter shared prefix is prefilled again, not waited for
 STALL_SECONDS = 60.0  # a leader's prefill that has not moved this long is not waited for
-_BLOCK = 1024  # tokens compared at once (in C) before narrowing to the first mismatch
 
 
 @dataclass
@@ -121,23 +123,20 @@ class PrefillFollowers:
         ready_at = self._keep_position(leader, reach)
         if ready_at is None:
             return None
-        leader.keep_at.add(ready_at)
-        if leader.seq is not None:
-            leader.seq.keep_at.add(ready_at)
-        progress = leader.seq.prefilled if leader.seq is not None else -1
+        leader.keep_at.add(ready_at)  # its sequence's own set, once it has started
         log.info(
             "request %s waits for %s's prefill of %d shared prompt tokens",
             request.request_id,
             leader.request.request_id,
             reach,
         )
-        return Following(leader, ready_at, progress, now)
+        return Following(leader, ready_at, _progress(leader), now)
 
     def _keep_position(self, leader: TrackedRequest, reach: int) -> int | None:
         """Where the leader's cache is copied out for a follower served up to `reach`:
         there, or -- the leader's prefill already past it -- at its prompt's end, if the
         copy can be cut back to `reach` (None: nothing left to wait for)."""
-        prefilled = leader.seq.prefilled if leader.seq is not None else 0
+        prefilled = _progress(leader)
         if prefilled < reach:
             return reach
         end = len(leader.request.prompt_tokens) - 1
@@ -161,15 +160,12 @@ class PrefillFollowers:
     def _outcome(self, following: Following, requests: RequestTable, now: float) -> str | None:
         """Why the follower stops waiting now ("served", "left", "stalled"), or None."""
         leader = following.leader
-        request_id = leader.request.request_id
-        if requests.running.get(request_id) is leader:
-            if leader.first_token is not None:
-                return "served"
-            progress = leader.seq.prefilled if leader.seq is not None else -1
-        elif leader.parked is None and any(t is leader for t in requests.waiting):
-            progress = -1
-        else:
-            return "left"
+        place = requests.place_of(leader.request.request_id)
+        if place == Place.RUNNING and leader.first_token is not None:
+            return "served"
+        if place not in (Place.RUNNING, Place.WAITING) or leader.parked is not None:
+            return "left"  # finished, failed, cancelled, paused or preempted
+        progress = _progress(leader)
         if progress >= following.ready_at:
             return "served"
         if progress != following.seen:
@@ -179,18 +175,6 @@ class PrefillFollowers:
         return None
 
 
-def common_prefix(a, b) -> int:
-    """How many leading tokens two token sequences share (compared a block at a time,
-    so two identical 20k-token prompts take microseconds, not a Python loop each)."""
-    a, b = list(a), list(b)
-    shared, limit = 0, min(len(a), len(b))
-    while shared < limit:
-        step = min(_BLOCK, limit - shared)
-        if a[shared : shared + step] == b[shared : shared + step]:
-            shared += step
-            continue
-        for x, y in zip(a[shared : shared + step], b[shared : shared + step], strict=True):
-            if x != y:
-                return shared
-            shared += 1
-    return shared
+def _progress(leader: TrackedRequest) -> int:
+    """The prompt tokens the leader's cache holds (-1: it has not started)."""
+    return leader.seq.prefilled if leader.seq is not None else -1

@@ -37,6 +37,7 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from engines.cache.rollback import can_trim, trim_exact
 from engines.drafting.draft_model import DraftState
+from engines.request import common_prefix
 from scheduler.prefix_disk import DiskEntry, DiskTier, identities
 
 MODEL_KEY = "target"
@@ -155,7 +156,7 @@ class PrefixCache:
             return
         draft_layers: list = []
         if draft is not None and draft.cache:
-            shared = _common_prefix(draft.fed, tokens)
+            shared = common_prefix(draft.fed, tokens)
             close = 0 < shared and len(tokens) - shared <= MAX_DRAFT_LAG
             if close and _trim(draft.cache, len(draft.fed) - shared):
                 if _trim(cache, len(tokens) - shared):
@@ -218,12 +219,3 @@ def _trim(cache: list, count: int) -> bool:
         return False
     trim_exact(cache, count)
     return True
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    shared = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        shared += 1
-    return shared

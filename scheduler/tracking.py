@@ -45,7 +45,7 @@ class TrackedRequest:
     # Prefill followers (scheduler/prefill_followers.py): whether it was asked if it waits for
     # another request's prefill, the one it waits for (None: none, or no longer), and
     # the prompt positions whose cache its own prefill keeps for requests waiting on it
-    # (copied into its sequence's `keep_at`).
+    # (its sequence's `keep_at` is this set).
     follow_checked: bool = False
     following: Any = None
     keep_at: set[int] = field(default_factory=set)

@@ -14,10 +14,10 @@ import openai
 import pytest
 
 from engines.errors import RequestFailed
-from engines.request import GenerationRequest
+from engines.request import GenerationRequest, common_prefix
 from engines.sequence import Sequence, make_sequence
 from scheduler.counters import SchedulerCounters
-from scheduler.prefill_followers import PrefillFollowers, common_prefix
+from scheduler.prefill_followers import PrefillFollowers
 from scheduler.prefix_cache import PrefixCache
 from scheduler.prefix_reuse import PrefixReuse
 from scheduler.requests import RequestTable
@@ -275,7 +275,7 @@ class Queue:
         """Running, with `prefilled` prompt tokens in its cache (as `_start` does)."""
         self.table.waiting.remove(tracked)
         tracked.seq = Sequence(tracked.request, frozenset(), None, None)
-        tracked.seq.keep_at = set(tracked.keep_at)
+        tracked.seq.keep_at = tracked.keep_at
         tracked.seq.prefilled = prefilled
         self.table.running[tracked.request.request_id] = tracked
 

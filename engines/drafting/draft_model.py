@@ -19,7 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from engines.cache.rollback import CacheSnapshot, can_trim, roll_back, take_snapshot, trim_exact
 from engines.drafting.draft import DRAFT, Draft
 from engines.drafting.draft_vocab import OwnTokens, bind_own
-from engines.request import SamplingParams
+from engines.request import SamplingParams, common_prefix
 from engines.sample.sampling import RandomStream, filter_logprobs
 
 if TYPE_CHECKING:
@@ -175,11 +175,7 @@ def chain_drafts(
 
 def shared_prefix(fed: list[int], context: list[int]) -> int:
     """Length of the common prefix, leaving at least the newest context token unfed."""
-    shared = 0
-    limit = min(len(fed), len(context) - 1)
-    while shared < limit and fed[shared] == context[shared]:
-        shared += 1
-    return shared
+    return max(0, min(common_prefix(fed, context), len(context) - 1))
 
 
 def draft_token(

@@ -12,6 +12,7 @@ import asyncio
 
 import openai
 import pytest
+from mlx_lm import load
 
 from engines.errors import RequestFailed
 from engines.request import GenerationRequest, common_prefix
@@ -23,8 +24,9 @@ from scheduler.prefix_reuse import PrefixReuse
 from scheduler.requests import RequestTable
 from scheduler.stream import RequestStream
 from scheduler.tracking import TrackedRequest
-from tests.conftest import MODEL_NAME, make_client, start_scheduler
+from tests.conftest import MODEL_NAME, Reference, make_client, start_scheduler
 from tests.test_batched_speculation import CODE_PROMPT, greedy_request, make_engines
+from tests.tiny_archs import build_tiny_arch
 
 CHUNK = 64
 K1, K2 = "key-one-" + "1" * 24, "key-two-" + "2" * 24
@@ -195,6 +197,33 @@ async def test_a_leader_that_fails_in_prefill_leaves_the_follower_to_prefill_alo
         assert tokens_of(by_id["follower"]) == reference.greedy_tokens(shared, MAX_TOKENS)
         assert by_id["follower"][-1].cached_tokens == 0
         assert scheduler.counters.prefill_follows == {"left": 1}
+    finally:
+        scheduler.stop()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "lfm2"])
+async def test_a_cache_that_cannot_be_cut_back_is_copied_at_exactly_the_shared_part(
+    kind, tmp_path, tiny_model_dir
+):
+    """Recurrent layers (tiny Qwen3-Next and LFM2 hybrids): a copy further along could
+    not serve the follower, so the leader's prefill stops at the shared position and is
+    copied there; the follower starts at exactly that position, both answers mlx-lm's."""
+    path = build_tiny_arch(kind, tmp_path / kind, tiny_model_dir)
+    reference = Reference(*load(str(path)))
+    scheduler = start_scheduler(path, prefill_step_size=16, prefill_follow_min_tokens=16)
+    try:
+        encode = reference.tokenizer.encode
+        shared = encode("Once upon a time there was a robot who liked to read long books " * 3)
+        one = shared + encode(" about the sea")[1:]
+        two = shared + encode(" and then it went to sleep under a tree")[1:]
+        assert common_prefix(one, two) == len(shared) >= 32
+        first = scheduler.submit(keyed("one", one))
+        second = scheduler.submit(keyed("two", two))
+        a, b = await asyncio.gather(first.collect(), second.collect())
+        assert tokens_of(a) == reference.greedy_tokens(one, MAX_TOKENS)
+        assert tokens_of(b) == reference.greedy_tokens(two, MAX_TOKENS)
+        assert b[-1].cached_tokens == len(shared)
+        assert scheduler.counters.prefill_follows == {"served": 1}
     finally:
         scheduler.stop()
 

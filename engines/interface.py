@@ -9,6 +9,8 @@ An engine serves sequences on the engine thread. Its operations, one name each:
     first;
   * `take_over`: a sequence handed over continues here, its cache as it is;
   * `cancel`: a sequence ends here, its cache dropped;
+  * `copy_cache`: a copy of a decoding sequence's cache of its committed tokens, which
+    goes on unchanged (a request of its key arriving meanwhile starts from the copy);
   * `settle`: a step still in flight commits, so every sequence holds exactly its
     committed tokens again.
 
@@ -63,6 +65,8 @@ class Engine(Protocol):
     def take_over(self, state: SequenceState) -> None: ...
 
     def cancel(self, request_id: str, keep: bool = False) -> bool: ...
+
+    def copy_cache(self, request_id: str) -> SequenceState | None: ...
 
     def settle(self) -> StepResult: ...
 

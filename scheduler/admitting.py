@@ -87,6 +87,17 @@ class Admitting:
     def _waits_for_prefill(self, tracked: TrackedRequest) -> bool:
         return self._followers.waits(tracked, self.requests, time.monotonic())
 
+    def _copy_prefill(self, leader: TrackedRequest) -> bool:
+        """Copy a decoding request's cache into its key's prefix cache now: a request of
+        its key sharing its prompt starts from the copy (cut back to what they share)
+        instead of prefilling it again; False where the engine hands none out."""
+        engine = self._engine()
+        state = engine.copy_cache(leader.request.request_id) if engine is not None else None
+        if state is None:
+            return False
+        self._reuse.keep([], [state])
+        return True
+
     def _admissible(self) -> int:
         """How many waiting requests to admit now: all that fit, unless they should
         wait for the running work to finish speculatively (`spec_wait_budget`). Those

@@ -16,7 +16,8 @@ class SchedulerCounters:
     batch_sizes: dict[int, int] = field(default_factory=dict)  # batch size -> steps
     generated_tokens: int = 0  # every request's, as published (live tokens/s on the web page)
     # requests that waited for another's prefill (scheduler/prefill_followers.py), by how
-    # the wait ended: "served" (the prefill was in), "left" (the leader left), "stalled"
+    # the wait ended: "served" (the prefill was in), "left" (the leader left), "stalled";
+    # "copied": it started at once from a copy of the cache of a leader that decodes
     prefill_follows: dict[str, int] = field(default_factory=dict)
 
     def record_switch(self, source: str, target: str, migrated: int) -> None:

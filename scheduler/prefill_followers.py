@@ -14,6 +14,12 @@ its cache out there (`Sequence.keep_at`), a prefix-cache entry like any other; t
 follower then starts from it and prefills only what differs. A leader that is
 cancelled keeps its prefill too (`PrefixReuse.keep`), so the follower resumes from it.
 
+A leader whose prompt is in already (it decodes) is not waited for: its cache is
+copied into the prefix cache at once (`Engine.copy_cache`), and the newcomer starts from
+the copy, cut back to what they share, by the lookup -- caches that cut back only. An
+agent's subagents, or a retry after a client timeout, arrive while the first answer is
+being written; until its request finished, nothing of its prefill was in the cache.
+
 Only within one API key (`cache_scope`): another key's request never waits for, nor
 starts from, this key's prefill. The follower stops waiting when the leader's cache
 reached the position, when the leader leaves (finished, cancelled, failed, paused,
@@ -23,6 +29,7 @@ preempted), or when the leader's prefill has not moved for `stall_seconds`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,7 +64,8 @@ class PrefillFollowers:
     as the request table and the prefix cache it reads; it holds no request state (each
     request's `following` lives on its `TrackedRequest`). `cuts_back`: the model's caches
     can be cut back to any shorter prefix (set at load), so a copy kept further along
-    serves too."""
+    serves too. `copy_running`: copies a decoding request's cache into the prefix cache
+    now (the scheduler's; False where its engine cannot)."""
 
     def __init__(
         self,
@@ -65,11 +73,13 @@ class PrefillFollowers:
         counters: SchedulerCounters,
         min_tokens: int = MIN_SHARED_TOKENS,
         stall_seconds: float = STALL_SECONDS,
+        copy_running: Callable[[TrackedRequest], bool] | None = None,
     ) -> None:
         self.cache = cache
         self.counters = counters
         self.min_tokens = min_tokens
         self.stall_seconds = stall_seconds
+        self.copy_running = copy_running
         self.cuts_back = True
 
     @property
@@ -120,6 +130,9 @@ class PrefillFollowers:
         if best is None:
             return None
         reach, leader = best
+        if _prompt_in(leader):
+            self._copy(tracked, leader, reach)
+            return None
         ready_at = self._keep_position(leader, reach)
         if ready_at is None:
             return None
@@ -132,26 +145,38 @@ class PrefillFollowers:
         )
         return Following(leader, ready_at, _progress(leader), now)
 
+    def _copy(self, tracked: TrackedRequest, leader: TrackedRequest, reach: int) -> None:
+        """The leader decodes: a copy of its cache now serves `tracked` up to `reach`
+        (cut back by the lookup), where caches cut back and its engine hands one out."""
+        if not self.cuts_back or self.copy_running is None or not self.copy_running(leader):
+            return
+        self.counters.record_prefill_follow("copied")
+        log.info(
+            "request %s starts from a copy of decoding %s's cache (%d shared prompt tokens)",
+            tracked.request.request_id,
+            leader.request.request_id,
+            reach,
+        )
+
     def _keep_position(self, leader: TrackedRequest, reach: int) -> int | None:
         """Where the leader's cache is copied out for a follower served up to `reach`:
         there, or -- the leader's prefill already past it -- at its prompt's end, if the
         copy can be cut back to `reach` (None: nothing left to wait for)."""
-        prefilled = _progress(leader)
-        if prefilled < reach:
+        if _progress(leader) < reach:
             return reach
-        end = len(leader.request.prompt_tokens) - 1
-        return end if self.cuts_back and prefilled < end else None
+        return len(leader.request.prompt_tokens) - 1 if self.cuts_back else None
 
     def _candidates(self, tracked: TrackedRequest, requests: RequestTable):
-        """Requests of `tracked`'s key that may still prefill a prompt before it: those
-        running without a first token, and those waiting ahead of it, but not ones that
-        wait for a leader themselves, nor ones whose prompts are scored instead."""
+        """Requests of `tracked`'s key whose prompt's cache may serve it: those running
+        (prefilling, or decoding with their prompt in), and those waiting ahead of it,
+        but not ones that wait for a leader themselves, paused ones, nor ones whose
+        prompts are scored instead."""
         scope = tracked.request.cache_scope
         ahead = [t for t in requests.waiting if t.arrived < tracked.arrived]
         for other in [*requests.running.values(), *ahead]:
             if other is tracked or other.request.cache_scope != scope:
                 continue
-            if other.first_token is not None or other.parked is not None:
+            if other.parked is not None:
                 continue
             if other.following is not None or other.request.prompt_logprobs is not None:
                 continue
@@ -173,6 +198,12 @@ class PrefillFollowers:
         elif now - following.seen_at > self.stall_seconds:
             return "stalled"
         return None
+
+
+def _prompt_in(leader: TrackedRequest) -> bool:
+    """The leader's prompt is in its cache: it decodes (or its first token is due)."""
+    end = len(leader.request.prompt_tokens) - 1
+    return leader.first_token is not None or _progress(leader) >= end
 
 
 def _progress(leader: TrackedRequest) -> int:

@@ -106,6 +106,7 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
             self.counters,
             config.prefill_follow_min_tokens,
             config.prefill_follow_stall_s,
+            copy_running=self._copy_prefill,
         )
         self.suffix = SuffixStore(config.suffix_tokens_per_key, config.suffix_max_keys)
         self.throughput = config.throughput_model or ThroughputModel()

@@ -331,7 +331,8 @@ def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="a request whose prompt shares at least N tokens with a prompt of its API key "
         "still being prefilled waits for that prefill and starts from it, instead of "
-        "prefilling them again (agents starting together; 0 disables)",
+        "prefilling them again (agents starting together); that prompt's request already "
+        "decoding, it starts from a copy of its cache (0 disables)",
     )
     parser.add_argument(
         "--max-kv-gb",

@@ -142,14 +142,15 @@ def _prefix_metrics(m: str, prefix: dict | None) -> Iterator:
 
 def _follow_metrics(m: str, follows: dict[str, int]) -> Iterator:
     """Requests that waited for another request's prefill of their prefix (same API
-    key), by how the wait ended (scheduler/prefill_followers.py)."""
+    key), by how the wait ended, or started from a copy of its cache while it decoded
+    (scheduler/prefill_followers.py)."""
     family = CounterMetricFamily(
         "tandem_prefill_follows",
         "Requests that waited for a prefill of their prefix by another request of their key, "
-        "by outcome (served, left, stalled).",
+        "by outcome (served, left, stalled), or started from a copy of its cache (copied).",
         labels=["model_name", "outcome"],
     )
-    for outcome in ("served", "left", "stalled"):
+    for outcome in ("served", "left", "stalled", "copied"):
         family.add_metric([m, outcome], follows.get(outcome, 0))
     yield family
 

@@ -177,6 +177,11 @@ class BatchedEngine:
         self._gates.pop(request_id, None)
         return True
 
+    def copy_cache(self, request_id: str) -> SequenceState | None:
+        """None: mlx-lm's generator hands no row's cache out while it decodes (a request
+        of its key arriving meanwhile prefills its own)."""
+        return None
+
     def step(self) -> StepResult:
         """One BatchGenerator step: a prefill chunk for new sequences and/or one token
         for every decoding sequence."""

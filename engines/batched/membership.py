@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
+
 from engines.batched.containment import join_rows
 from engines.batched.drafting import BatchRow, DraftModelRows
 from engines.batched.pipeline import InFlight
@@ -176,6 +178,20 @@ class BatchMembership:
             self._result.checkpoints.append(group.extract(i))
         self._remove(group, i)
         return True
+
+    def copy_cache(self, request_id: str) -> SequenceState | None:
+        """A copy of a decoding row's target cache of the committed tokens it holds (a
+        plain step in flight, which fed the newest, is evaluated for it), for the prefix
+        cache; the row goes on unchanged. None: not here, or still prefilling."""
+        group, i = self._find(request_id)
+        if i < 0 or group is not None:
+            return None
+        row, held = self.rows[i], self.cache[0].held[i]
+        if held > len(row.tokens):
+            return None  # uncommitted positions (between steps, never)
+        layers = [layer.extract(i) for layer in self.cache]
+        mx.eval([layer.state for layer in layers])  # its own arrays, not views of the batch's
+        return SequenceState(row.seq, layers, held)
 
     def _find(self, request_id: str) -> tuple[PrefillGroup | None, int]:
         """Where a row is: (its prefill group, its index there), or (None, its index in

@@ -211,6 +211,17 @@ class SpeculativeEngine:
         self._release(keep_cache=keep)
         return True
 
+    def copy_cache(self, request_id: str) -> SequenceState | None:
+        """A copy of the decoding sequence's cache of the tokens it holds (a plain step
+        in flight included: it holds the newest committed token), for the prefix cache;
+        the sequence goes on unchanged. None: not here, or its prompt is not in yet."""
+        active = self.active
+        if active is None or active.seq.request_id != request_id:
+            return None
+        if len(active.tokens) - active.cached > 1:
+            return None  # still prefilling: `Sequence.keep_at` copies it where asked
+        return SequenceState(active.seq, detached_copy(active.cache), active.cached)
+
     # ---- the step ---------------------------------------------------------------
 
     def step(self) -> StepResult:

@@ -1,7 +1,9 @@
-"""The two small speed probes of issue 42, run on the tiny model as a user runs them
-(`python -m bench.suffix_repeat`, `python -m bench.packed_cost`): the reports are whole,
-the suffix probe's answers equal plain decoding's, and only the asking key's own index
-drafts. The tiny model's timings say nothing about speed; bench/README.md has real runs."""
+"""The small speed probes of issue 42, run on the tiny model as a user runs them
+(`python -m bench.suffix_repeat`, `python -m bench.packed_cost`, `python -m
+bench.decoding_copy`): the reports are whole, the suffix probe's answers equal plain
+decoding's, only the asking key's own index drafts, and only with copies on does the
+newcomer start from the decoding request's cache. The tiny model's timings say nothing
+about speed; bench/README.md has real runs."""
 
 from __future__ import annotations
 
@@ -44,3 +46,14 @@ def test_packed_cost_reports_every_chunk_size(tiny_model_dir):
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [row[0] for row in rows] == ["8", "16"]
     assert all(float(row[2]) > 0 for row in rows)
+
+
+def test_decoding_copy_serves_the_newcomer_only_with_copies_on(tiny_model_dir):
+    out = run_bench("bench.decoding_copy", str(tiny_model_dir), "--tokens", "300")
+    on, off, summary = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert on["copies"] is True and off["copies"] is False
+    assert on["prefill_follows"] == {"copied": 1} and off["prefill_follows"] == {}
+    assert on["newcomer_cached_tokens"] >= 300 and off["newcomer_cached_tokens"] == 0
+    assert on["leader_median_gap_before_ms"] > 0
+    assert summary["identical_tokens_on_and_off"] is True, summary
+    assert summary["blas"] and summary["prompt_tokens"] == 300

@@ -83,6 +83,42 @@ def test_an_engine_copies_a_decoding_sequences_cache(engines, reference, which):
     assert run(engine) == reference.greedy_tokens(longer, 12)
 
 
+@pytest.fixture(scope="module")
+def drafting(tiny_model_dir, perturbed_draft_dir):
+    return make_engines(tiny_model_dir, perturbed_draft_dir, prefill_step_size=CHUNK)
+
+
+@pytest.mark.parametrize("which", ["single", "batched"])
+def test_the_copy_carries_the_draft_models_cache(drafting, reference, which):
+    """With a draft model, the copy holds the draft's cache too, so the request
+    started from it drafts at once instead of feeding the draft the whole prompt first;
+    both answers still mlx-lm's."""
+    spec, batched = drafting
+    engine = spec if which == "single" else batched
+    engine.registry.transfer(engine.name)
+    prompt, max_tokens = prompt_of(reference, 300), 40
+    seq = make_sequence(greedy_request("leader", prompt, max_tokens), reference.tokenizer)
+    engine.admit(seq)
+    tokens: list[int] = []
+    while len(tokens) < 12:
+        tokens += [t for o in engine.step().outputs for t in o.token_ids]
+    copy = engine.copy_cache("leader")
+    assert copy is not None and copy.draft is not None
+    assert len(copy.draft.fed) >= len(prompt)
+    copied_tokens = seq.all_tokens[: copy.cached]
+    assert run(engine, tokens) == reference.greedy_tokens(prompt, max_tokens)
+
+    reuse = PrefixReuse(PrefixCache())
+    reuse.keep([], [copy])
+    longer = copied_tokens + prompt_of(reference, 21, "print('more')\n")[1:]
+    again = make_sequence(greedy_request("again", longer, 12), reference.tokenizer)
+    start = reuse.start(again, engine.registry.target.model)
+    assert start.cached >= len(prompt)
+    assert start.draft is not None and start.draft.fed == longer[: start.cached]
+    engine.admit(start)
+    assert run(engine) == reference.greedy_tokens(longer, 12)
+
+
 @pytest.fixture
 def scheduler(tiny_model_dir):
     scheduler = start_scheduler(

@@ -181,8 +181,9 @@ class BatchMembership:
 
     def copy_cache(self, request_id: str) -> SequenceState | None:
         """A copy of a decoding row's target cache of the committed tokens it holds (a
-        plain step in flight, which fed the newest, is evaluated for it), for the prefix
-        cache; the row goes on unchanged. None: not here, or still prefilling."""
+        plain step in flight, which fed the newest, is evaluated for it), and of its
+        draft model's, for the prefix cache; the row goes on unchanged. None: not here,
+        or still prefilling."""
         group, i = self._find(request_id)
         if i < 0 or group is not None:
             return None
@@ -190,8 +191,14 @@ class BatchMembership:
         if held > len(row.tokens):
             return None  # uncommitted positions (between steps, never)
         layers = [layer.extract(i) for layer in self.cache]
-        mx.eval([layer.state for layer in layers])  # its own arrays, not views of the batch's
-        return SequenceState(row.seq, layers, held)
+        draft = None
+        if self.draft_cache is not None and isinstance(self.model_drafter, DraftModelRows):
+            # it holds `draft_fed`, drafts too: the prefix cache cuts those off
+            draft_layers = [layer.extract(i) for layer in self.draft_cache]
+            draft = DraftState(draft_layers, list(row.draft_fed))
+        copied = [*layers, *(draft.cache if draft is not None else [])]
+        mx.eval([layer.state for layer in copied])  # own arrays, not views of the batch's
+        return SequenceState(row.seq, layers, held, draft=draft)
 
     def _find(self, request_id: str) -> tuple[PrefillGroup | None, int]:
         """Where a row is: (its prefill group, its index there), or (None, its index in

@@ -213,14 +213,18 @@ class SpeculativeEngine:
 
     def copy_cache(self, request_id: str) -> SequenceState | None:
         """A copy of the decoding sequence's cache of the tokens it holds (a plain step
-        in flight included: it holds the newest committed token), for the prefix cache;
-        the sequence goes on unchanged. None: not here, or its prompt is not in yet."""
+        in flight included: it holds the newest committed token), and of its draft
+        model's, for the prefix cache; the sequence goes on unchanged. None: not here,
+        or its prompt is not in yet."""
         active = self.active
         if active is None or active.seq.request_id != request_id:
             return None
         if len(active.tokens) - active.cached > 1:
             return None  # still prefilling: `Sequence.keep_at` copies it where asked
-        return SequenceState(active.seq, detached_copy(active.cache), active.cached)
+        draft = None
+        if active.draft.cache:  # the prefix cache keeps it if it holds nearly as much
+            draft = DraftState(detached_copy(active.draft.cache), list(active.draft.fed))
+        return SequenceState(active.seq, detached_copy(active.cache), active.cached, draft=draft)
 
     # ---- the step ---------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -204,6 +205,42 @@ def switches(metrics: str, source: str, target: str) -> float:
             if f'to="{target}"' in line:
                 return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"no {source} -> {target} series in /metrics")
+
+
+def test_copies_of_a_decoding_requests_cache_serve_requests_arriving_meanwhile(tiny_model_dir):
+    """Requests of the key arriving while the first decodes the same prompt start from a
+    copy of its cache (`Engine.copy_cache`), one after the other while the first goes
+    on: each copy has a name of its own on every rank, so the copy kept in the prefix
+    cache still serves after the first moved into the batch and its own name was freed.
+    Every answer is the first's greedy prefix; the server stays up."""
+    prompt = PROMPTS[0] * 8
+    with launched(tiny_model_dir, "--prefill-follow-min-tokens", "16", "--no-pld") as server:
+        body = {"prompt": prompt, "max_tokens": 800, "temperature": 0, "ignore_eos": True}
+        started = threading.Event()
+
+        def leader() -> str:
+            text = ""
+            with httpx.stream(
+                "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=120
+            ) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        text += json.loads(line[6:])["choices"][0]["text"]
+                        started.set()
+            return text
+
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(leader)
+            assert started.wait(60)
+            meanwhile = [complete(server.url, prompt, max_tokens=16) for _ in range(3)]
+            assert not first.done(), "the first finished before the others: make it longer"
+            text = first.result()
+        for reply in meanwhile:
+            assert text.startswith(reply["choices"][0]["text"])
+            assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert 'tandem_prefill_follows_total{model_name="tiny",outcome="copied"} 1.0' in metrics
+        assert server.proc.poll() is None
 
 
 def test_pipeline_stages_give_one_process_output(tiny_model_dir, tmp_path):

@@ -236,11 +236,12 @@ def _layer_list(model: Any, count: int) -> list | None:
 
 def detached_copy(cache: list) -> list:
     """A copy of every layer that later updates of `cache` cannot reach -- free, the
-    arrays are shared values (a prompt checkpoint kept while the sequence goes on)."""
+    arrays are shared values (a prompt checkpoint kept while the sequence goes on). A
+    sharded model's named cache gets a name of its own (`CacheHandle.__copy__`)."""
     copies = []
     for layer in cache:
         twin = copy.copy(layer)
-        twin.__dict__.update({k: _detached(v) for k, v in vars(layer).items()})
+        twin.__dict__.update({k: _detached(v) for k, v in vars(twin).items()})
         copies.append(twin)
     return copies
 

@@ -81,6 +81,18 @@ class CacheHandle(KVCache):
         self._channel.record(EDIT_COPY, self.handle_id, twin.handle_id)
         return twin
 
+    def __copy__(self) -> CacheHandle:
+        """A twin sharing these arrays under a name of its own (`detached_copy`: a
+        checkpoint, a copy for the prefix cache), whose followers copy theirs: under the
+        same name, whichever of the two was collected first would drop the followers'
+        cache of the other."""
+        twin = CacheHandle(self._channel)
+        for name, value in self.__dict__.items():
+            if name not in ("_channel", "handle_id"):
+                setattr(twin, name, value)
+        self._channel.record(EDIT_COPY, self.handle_id, twin.handle_id)
+        return twin
+
     def ragged_from(self, caches: list[KVCache]) -> RaggedHandle:
         """The first layer of the batched cache gathered from `caches` (this one's
         sequence and others'), named too."""

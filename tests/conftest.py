@@ -119,6 +119,16 @@ def scheduler(tiny_model_dir):
     scheduler.stop()
 
 
+@pytest.fixture
+def follow_scheduler(tiny_model_dir):
+    """A scheduler whose requests of one key start from each other's prefill of a prompt
+    they share (100 tokens or more): waited for, or copied while it decodes
+    (`scheduler/prefill_followers.py`); prompts prefill in 64-token chunks."""
+    scheduler = start_scheduler(tiny_model_dir, prefill_step_size=64, prefill_follow_min_tokens=100)
+    yield scheduler
+    scheduler.stop()
+
+
 @pytest.fixture(scope="module")
 def spec_scheduler(tiny_model_dir, perturbed_draft_dir):
     """A scheduler whose draft is the perturbed target: speculation with partial

@@ -18,7 +18,6 @@ from engines.request import common_prefix
 from engines.sequence import make_sequence
 from scheduler.prefix_cache import PrefixCache
 from scheduler.prefix_reuse import PrefixReuse
-from tests.conftest import start_scheduler
 from tests.test_batched_speculation import greedy_request, make_engines
 from tests.test_prefill_followers import PROMPT, Queue, prompt_of, tokens_of
 
@@ -42,22 +41,30 @@ def run(engine, tokens: list[int] | None = None) -> list[int]:
     return tokens
 
 
+def decoding_leader(pair, which: str, reference, generated: int):
+    """The engine `which` of `pair` (single or batched) decoding a 40-token answer to a
+    300-token prompt, `generated` of its tokens out: (engine, sequence, tokens)."""
+    spec, batched = pair
+    engine = spec if which == "single" else batched
+    engine.registry.transfer(engine.name)
+    prompt = prompt_of(reference, 300)
+    seq = make_sequence(greedy_request("leader", prompt, 40), reference.tokenizer)
+    engine.admit(seq)
+    assert engine.copy_cache("leader") is None  # nothing prefilled yet
+    tokens: list[int] = []
+    while len(tokens) < generated:
+        tokens += [t for o in engine.step().outputs for t in o.token_ids]
+    return engine, seq, tokens
+
+
 @pytest.mark.parametrize("which", ["single", "batched"])
 def test_an_engine_copies_a_decoding_sequences_cache(engines, reference, which):
     """Mid-decode (a step possibly in flight), the copy holds exactly the committed
     tokens it says; the leader's later steps do not reach it (the leader's own answer
     and the answer started from the copy afterwards are both mlx-lm's), and a sequence
     still prefilling hands out none."""
-    spec, batched = engines
-    engine = spec if which == "single" else batched
-    engine.registry.transfer(engine.name)
-    prompt, max_tokens = prompt_of(reference, 300), 40
-    seq = make_sequence(greedy_request("leader", prompt, max_tokens), reference.tokenizer)
-    engine.admit(seq)
-    assert engine.copy_cache("leader") is None  # nothing prefilled yet
-    tokens: list[int] = []
-    while len(tokens) < 5:
-        tokens += [t for o in engine.step().outputs for t in o.token_ids]
+    engine, seq, tokens = decoding_leader(engines, which, reference, 5)
+    prompt, max_tokens = list(seq.request.prompt_tokens), seq.request.max_tokens
     assert engine.copy_cache("nobody") is None
     copy = engine.copy_cache("leader")
     assert copy is not None and copy.seq is seq
@@ -93,15 +100,8 @@ def test_the_copy_carries_the_draft_models_cache(drafting, reference, which):
     """With a draft model, the copy holds the draft's cache too, so the request
     started from it drafts at once instead of feeding the draft the whole prompt first;
     both answers still mlx-lm's."""
-    spec, batched = drafting
-    engine = spec if which == "single" else batched
-    engine.registry.transfer(engine.name)
-    prompt, max_tokens = prompt_of(reference, 300), 40
-    seq = make_sequence(greedy_request("leader", prompt, max_tokens), reference.tokenizer)
-    engine.admit(seq)
-    tokens: list[int] = []
-    while len(tokens) < 12:
-        tokens += [t for o in engine.step().outputs for t in o.token_ids]
+    engine, seq, tokens = decoding_leader(drafting, which, reference, 12)
+    prompt, max_tokens = list(seq.request.prompt_tokens), seq.request.max_tokens
     copy = engine.copy_cache("leader")
     assert copy is not None and copy.draft is not None
     assert len(copy.draft.fed) >= len(prompt)
@@ -119,21 +119,17 @@ def test_the_copy_carries_the_draft_models_cache(drafting, reference, which):
     assert run(engine) == reference.greedy_tokens(longer, 12)
 
 
-@pytest.fixture
-def scheduler(tiny_model_dir):
-    scheduler = start_scheduler(
-        tiny_model_dir, prefill_step_size=CHUNK, prefill_follow_min_tokens=100
-    )
-    yield scheduler
-    scheduler.stop()
-
-
 async def until_first_token(stream) -> list:
     return [await asyncio.wait_for(stream.__anext__(), 60)]
 
 
 async def rest(stream, events: list) -> list:
     return events + await asyncio.wait_for(stream.collect(), 120)
+
+
+@pytest.fixture
+def scheduler(follow_scheduler):
+    return follow_scheduler
 
 
 async def test_a_newcomer_starts_from_the_decoding_leaders_cache(scheduler, reference):

@@ -92,12 +92,8 @@ def test_an_engine_copies_the_cache_out_at_a_kept_position(engines, reference, w
 
 
 @pytest.fixture
-def scheduler(tiny_model_dir):
-    scheduler = start_scheduler(
-        tiny_model_dir, prefill_step_size=CHUNK, prefill_follow_min_tokens=100
-    )
-    yield scheduler
-    scheduler.stop()
+def scheduler(follow_scheduler):
+    return follow_scheduler
 
 
 async def test_the_same_prompt_sent_twice_at_once_is_prefilled_once(scheduler, reference):

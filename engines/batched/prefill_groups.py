@@ -24,6 +24,7 @@ from engines.batched.containment import failed_outputs, involved
 from engines.batched.drafting import BatchRow
 from engines.batched.verify import accept_rows, commit_row, process_rows
 from engines.cache.ragged_cache import RaggedKVCache, feed_rows, remove_rows
+from engines.drafting.draft_model import DraftState
 from engines.faults import check
 from engines.request import at_checkpoint, next_checkpoint
 from engines.sequence import StepOutput
@@ -101,9 +102,22 @@ class PrefillGroup:
                 continue
             cache = [layer.extract(i) for layer in self.cache]
             if awaited or not can_trim_prompt_cache(cache):
-                mx.eval([layer.state for layer in cache])  # not views of the group's
-                taken.append(SequenceState(row.seq, cache, held))
+                draft = self._draft_copy(i)
+                copied = [*cache, *(draft.cache if draft is not None else [])]
+                mx.eval([layer.state for layer in copied])  # not views of the group's
+                taken.append(SequenceState(row.seq, cache, held, draft=draft))
         return taken
+
+    def _draft_copy(self, index: int) -> DraftState | None:
+        """Row `index`'s draft-model cache as it is now, fed the prompt alongside the
+        target's (`draft_fed`), so a request starting from the checkpoint drafts (and
+        gets its first token) without feeding the draft model the prompt again; None
+        without a draft model, or for the MTP head's, which follows the target's."""
+        if self.draft_cache is None or self.fed_with_target:
+            return None
+        row = self.rows[index]
+        layers = [layer.extract(index) for layer in self.draft_cache]
+        return DraftState(layers, list(row.draft_fed))
 
 
 def next_group(groups: list[PrefillGroup]) -> PrefillGroup:

@@ -55,11 +55,21 @@ def engines(tiny_model_dir):
     return make_engines(tiny_model_dir, prefill_step_size=CHUNK)
 
 
-@pytest.mark.parametrize("which", ["single", "batched"])
-def test_an_engine_copies_the_cache_out_at_a_kept_position(engines, reference, which):
+@pytest.fixture(scope="module")
+def drafting(tiny_model_dir, perturbed_draft_dir):
+    return make_engines(tiny_model_dir, perturbed_draft_dir, prefill_step_size=CHUNK)
+
+
+@pytest.mark.parametrize(
+    ("which", "pair"), [("single", "engines"), ("batched", "engines"), ("batched", "drafting")]
+)
+def test_an_engine_copies_the_cache_out_at_a_kept_position(request, reference, which, pair):
     """The prefill chunk stops at the kept position (not a chunk boundary), the copy
-    there serves another request exactly, and the leader's own tokens do not change."""
-    spec, batched = engines
+    there serves another request exactly, and the leader's own tokens do not change.
+    With a draft model, the batched engine (which feeds it the prompt beside the target)
+    copies the draft's cache too, so the follower neither waits for the draft to be fed
+    the shared prompt before its first token nor before its first draft."""
+    spec, batched = request.getfixturevalue(pair)
     engine = spec if which == "single" else batched
     engine.registry.transfer(engine.name)
     prompt, kept_at = prompt_of(reference, 300), 150
@@ -74,6 +84,9 @@ def test_an_engine_copies_the_cache_out_at_a_kept_position(engines, reference, w
     assert tokens == reference.greedy_tokens(prompt, MAX_TOKENS)
     assert [c.cached for c in copies] == [kept_at]
     assert seq.prefilled == len(prompt) - 1
+    if pair == "drafting":
+        fed = copies[0].draft.fed  # fed in chunks of its own: the store cuts it back
+        assert kept_at <= len(fed) and fed == prompt[: len(fed)]
 
     reuse = PrefixReuse(PrefixCache())
     reuse.keep([], copies)
@@ -81,49 +94,12 @@ def test_an_engine_copies_the_cache_out_at_a_kept_position(engines, reference, w
     follower = make_sequence(greedy_request("follower", other, MAX_TOKENS), reference.tokenizer)
     start = reuse.start(follower, engine.registry.target.model)
     assert start.cached == kept_at
+    if pair == "drafting":
+        assert start.draft.fed == other[:kept_at]
     engine.admit(start)
     tokens = []
     while engine.active_ids:
         tokens += [t for o in engine.step().outputs for t in o.token_ids]
-    assert tokens == reference.greedy_tokens(other, MAX_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def drafting(tiny_model_dir, perturbed_draft_dir):
-    return make_engines(tiny_model_dir, perturbed_draft_dir, prefill_step_size=CHUNK)
-
-
-def test_a_batched_copy_at_a_kept_position_carries_the_draft_models_cache(drafting, reference):
-    """The batched engine feeds the draft model the prompt beside the target: the copy at
-    a kept position holds the draft's cache of the same tokens, so the follower neither
-    waits for the draft model to be fed the shared prompt before its first token nor
-    before its first draft; both answers mlx-lm's."""
-    _, batched = drafting
-    batched.registry.transfer(batched.name)
-    prompt, kept_at = prompt_of(reference, 300), 150
-    seq = make_sequence(greedy_request("leader", prompt, MAX_TOKENS), reference.tokenizer)
-    seq.keep_at.add(kept_at)
-    batched.admit(seq)
-    copies, tokens = [], []
-    while batched.active_ids:
-        result = batched.step()
-        copies += result.checkpoints
-        tokens += [t for o in result.outputs for t in o.token_ids]
-    assert tokens == reference.greedy_tokens(prompt, MAX_TOKENS)
-    [copy] = copies
-    fed = copy.draft.fed  # the draft is fed in chunks of its own: the store cuts it back
-    assert copy.cached == kept_at <= len(fed) and fed == prompt[: len(fed)]
-
-    reuse = PrefixReuse(PrefixCache())
-    reuse.keep([], copies)
-    other = prompt[:kept_at] + prompt_of(reference, 41, "x = [i * i for i in range(9)]\n")[1:]
-    follower = make_sequence(greedy_request("follower", other, MAX_TOKENS), reference.tokenizer)
-    start = reuse.start(follower, batched.registry.target.model)
-    assert start.cached == kept_at and start.draft.fed == other[:kept_at]
-    batched.admit(start)
-    tokens = []
-    while batched.active_ids:
-        tokens += [t for o in batched.step().outputs for t in o.token_ids]
     assert tokens == reference.greedy_tokens(other, MAX_TOKENS)
 
 

@@ -75,8 +75,8 @@ async def run(model: str, length: int, answer: int, copies: bool) -> dict:
                 times.append(time.perf_counter())
             leader_tokens += event.token_ids
             if newcomer is None and len(leader_tokens) >= SENT_AFTER:
-                newcomer = asyncio.ensure_future(timed(scheduler.submit(newcomer_request)))
                 sent = time.perf_counter()
+                newcomer = asyncio.ensure_future(timed(scheduler.submit(newcomer_request)))
         newcomer_first, events = await newcomer
     finally:
         scheduler.stop(timeout=120)

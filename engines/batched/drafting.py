@@ -293,10 +293,16 @@ class DraftModelRows:
         steady = all(len(row.tokens) - len(row.draft_fed) <= 2 for row in rows)
         return draft_with_model(self.model, cache, rows, self.vocab_size, self.chunk), steady
 
+    def copy(self, cache: list, rows: list[BatchRow], index: int) -> DraftState:
+        """Row `index`'s draft cache as it is and the tokens it holds, drafts included (a
+        copy for the prefix cache, which cuts it to the target's tokens); the row goes
+        on unchanged."""
+        return DraftState([layer.extract(index) for layer in cache], list(rows[index].draft_fed))
+
     def leave(self, cache: list, rows: list[BatchRow], index: int) -> tuple[DraftState, None]:
         roll_back_draft(cache, rows, index)
-        row = rows[index]
-        state = DraftState([layer.extract(index) for layer in cache], row.draft_fed, own=row.own)
+        state = self.copy(cache, rows, index)
+        state.own = rows[index].own
         return state, None
 
     def check(self, cache: list, rows: list[BatchRow]) -> None:

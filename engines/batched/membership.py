@@ -187,18 +187,13 @@ class BatchMembership:
         group, i = self._find(request_id)
         if i < 0 or group is not None:
             return None
-        row, held = self.rows[i], self.cache[0].held[i]
-        if held > len(row.tokens):
-            return None  # uncommitted positions (between steps, never)
         layers = [layer.extract(i) for layer in self.cache]
         draft = None
-        if self.draft_cache is not None and isinstance(self.model_drafter, DraftModelRows):
-            # it holds `draft_fed`, drafts too: the prefix cache cuts those off
-            draft_layers = [layer.extract(i) for layer in self.draft_cache]
-            draft = DraftState(draft_layers, list(row.draft_fed))
+        if self.draft_cache is not None:
+            draft = self.model_drafter.copy(self.draft_cache, self.rows, i)
         copied = [*layers, *(draft.cache if draft is not None else [])]
         mx.eval([layer.state for layer in copied])  # own arrays, not views of the batch's
-        return SequenceState(row.seq, layers, held, draft=draft)
+        return SequenceState(self.rows[i].seq, layers, self.cache[0].held[i], draft=draft)
 
     def _find(self, request_id: str) -> tuple[PrefillGroup | None, int]:
         """Where a row is: (its prefill group, its index there), or (None, its index in

@@ -91,6 +91,11 @@ class BatchedMTP:
         row.mtp.speculative = 0
         return cache
 
+    def copy(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int) -> None:
+        """No draft state: a prefix-cache entry keeps no head cache (a request started
+        from one feeds the head from its own forwards)."""
+        return None
+
     def leave(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):
         """(no draft state, the row's MTP state with its own head cache again)."""
         state = rows[index].mtp

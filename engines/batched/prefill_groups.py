@@ -21,10 +21,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache
 
 from engines.batched.containment import failed_outputs, involved
-from engines.batched.drafting import BatchRow
+from engines.batched.drafting import BatchRow, DraftModelRows
 from engines.batched.verify import accept_rows, commit_row, process_rows
 from engines.cache.ragged_cache import RaggedKVCache, feed_rows, remove_rows
-from engines.drafting.draft_model import DraftState
 from engines.faults import check
 from engines.request import at_checkpoint, next_checkpoint
 from engines.sequence import StepOutput
@@ -85,7 +84,9 @@ class PrefillGroup:
             mx.eval([layer.state for layer in cache])  # not views of the group's
         return SequenceState(self.rows[index].seq, cache, self.cache[0].held[index])
 
-    def checkpoints(self, before: list[int], untrimmable: bool) -> list[SequenceState]:
+    def checkpoints(
+        self, before: list[int], untrimmable: bool, drafter: DraftModelRows | BatchedMTP | None
+    ) -> list[SequenceState]:
         """Rows whose caches as they are now become prefix-cache entries, each row's
         copied out: with `untrimmable`, those whose prompt (or a checkpoint in it) was just
         prefilled (they held `before`) into caches that cannot be cut back later
@@ -102,22 +103,15 @@ class PrefillGroup:
                 continue
             cache = [layer.extract(i) for layer in self.cache]
             if awaited or not can_trim_prompt_cache(cache):
-                draft = self._draft_copy(i)
+                # with the draft model's cache, fed the prompt beside the target's: a
+                # request starting here does not feed it the prompt again
+                draft = None
+                if self.draft_cache is not None:
+                    draft = drafter.copy(self.draft_cache, self.rows, i)
                 copied = [*cache, *(draft.cache if draft is not None else [])]
                 mx.eval([layer.state for layer in copied])  # not views of the group's
                 taken.append(SequenceState(row.seq, cache, held, draft=draft))
         return taken
-
-    def _draft_copy(self, index: int) -> DraftState | None:
-        """Row `index`'s draft-model cache as it is now, fed the prompt alongside the
-        target's (`draft_fed`), so a request starting from the checkpoint drafts (and
-        gets its first token) without feeding the draft model the prompt again; None
-        without a draft model, or for the MTP head's, which follows the target's."""
-        if self.draft_cache is None or self.fed_with_target:
-            return None
-        row = self.rows[index]
-        layers = [layer.extract(index) for layer in self.draft_cache]
-        return DraftState(layers, list(row.draft_fed))
 
 
 def next_group(groups: list[PrefillGroup]) -> PrefillGroup:
@@ -188,7 +182,7 @@ def prefill_chunk(
     layers = [*group.cache, *(group.draft_cache or [])]
     mx.eval([layer.state for layer in layers if layer.nbytes])
     check(group.rows, "prefill")
-    checkpoints.taken += group.checkpoints(before, checkpoints.at_positions)
+    checkpoints.taken += group.checkpoints(before, checkpoints.at_positions, drafter)
     ready = [i for i, row in enumerate(group.rows) if group.prefilled(i)]
     return ready, first_tokens(model, mtp, group, ready) if ready else []
 

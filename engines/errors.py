@@ -10,7 +10,15 @@ class InvalidRequest(TandemError):
 
 
 class ContextTooLong(InvalidRequest):
-    """Prompt (plus requested tokens) does not fit the model's context window."""
+    """Prompt (plus requested tokens) does not fit the model's context window. The
+    counts travel with it so each API can word the refusal as its clients detect it."""
+
+    def __init__(self, prompt_tokens: int, context: int, requested: int = 0) -> None:
+        super().__init__(
+            f"this model's context is {context} tokens; the prompt has {prompt_tokens}"
+            + (f" and max_tokens asks for {requested} more" if requested else "")
+        )
+        self.prompt_tokens, self.context, self.requested = prompt_tokens, context, requested
 
 
 class QueueFull(TandemError):

@@ -119,6 +119,21 @@ class KVBudget:
     def alone_fits(self, request: Any) -> bool:
         return self.profile.bytes_at(self.reach(request)) <= self.limit
 
+    def longest_alone(self) -> int:
+        """The most positions one sequence may reach alone within the limit (0: none):
+        what a request asking for more tokens than fit is cut to."""
+        if self.profile.bytes_at(1) > self.limit:
+            return 0
+        low, high = 1, 1
+        while self.profile.bytes_at(high) <= self.limit and high < 1 << 40:
+            low, high = high, high * 2
+        while high - low > 1:  # bytes_at(low) fits, bytes_at(high) does not
+            middle = (low + high) // 2
+            low, high = (
+                (middle, high) if self.profile.bytes_at(middle) <= self.limit else (low, middle)
+            )
+        return low
+
     def projected(self, reaches: Iterable[int]) -> int:
         """Bytes rows reaching these lengths hold together (each padded to the longest)."""
         reaches = list(reaches)

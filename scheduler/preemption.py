@@ -12,6 +12,7 @@ admitted request fits.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from mlx_lm.models.cache import make_prompt_cache
@@ -47,16 +48,23 @@ class Preemption:
             self.kv.limit = limit
             self._send(Command("kv_budget"))
 
-    def _check_kv(self, request: Any) -> None:
-        """Refuse a request whose KV alone could never fit the budget (event loop)."""
+    def _fit_kv(self, request: Any) -> Any:
+        """The request with its max_tokens cut to what its KV may reach alone within the
+        budget, as the context's room cuts it (the reply then ends with a length reason);
+        a prompt whose KV alone could never fit is refused (event loop)."""
         kv = self.kv
-        if kv is not None and not kv.alone_fits(request):
-            need = kv.profile.bytes_at(kv.reach(request))
+        if kv is None or kv.alone_fits(request):
+            return request
+        longest = kv.longest_alone()
+        prompt = len(request.prompt_tokens)
+        if longest < prompt + (1 if request.max_tokens else 0):
+            need = kv.profile.bytes_at(prompt + 1)
             raise InvalidRequest(
-                f"this request's KV cache reaches {need / GB:.3f} GB at its prompt plus "
-                f"max_tokens ({kv.reach(request)} tokens), over this server's KV budget of "
-                f"{kv.limit / GB:.3f} GB (--max-kv-gb); ask for fewer tokens"
+                f"this request's KV cache needs {need / GB:.3f} GB for its prompt of {prompt} "
+                f"tokens, over this server's KV budget of {kv.limit / GB:.3f} GB "
+                "(--max-kv-gb); send a shorter prompt"
             )
+        return replace(request, max_tokens=longest - prompt)
 
     def _kv_admits(self, tracked: TrackedRequest) -> bool:
         return self.kv is None or self.kv.admit(tracked.request, self._prefix)

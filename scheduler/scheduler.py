@@ -42,7 +42,7 @@ from scheduler.policy import Mode, ModePolicy
 from scheduler.preemption import Preemption
 from scheduler.prefill_followers import PrefillFollowers
 from scheduler.prefix_cache import PrefixCache
-from scheduler.prefix_disk import disk_tier
+from scheduler.prefix_disk import DiskTier, disk_tier
 from scheduler.prefix_reuse import PrefixReuse
 from scheduler.requests import Place, RequestTable
 from scheduler.scoring import ScoringQueue
@@ -150,7 +150,7 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
             raise ServerNotReady(f"server is {self.state.value}")
         if self.draining:
             raise ServerNotReady("server is shutting down")
-        self._validate(request)
+        request = self._validate(request)
         mailbox = self._mailbox
         if mailbox.outstanding >= self.config.max_queue + self.config.max_num_seqs:
             raise QueueFull(f"{mailbox.outstanding} requests in flight; retry shortly")
@@ -184,7 +184,8 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
             self._thread.join(timeout)
         self.state = SchedulerState.STOPPED
 
-    def _validate(self, request: GenerationRequest) -> None:
+    def _validate(self, request: GenerationRequest) -> GenerationRequest:
+        """The request as it will run (max_tokens cut to the KV budget), or a refusal."""
         info = self.model_info
         if not request.prompt_tokens:
             raise InvalidRequest("the prompt is empty")
@@ -192,13 +193,10 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
             check_token_ids(request, info.vocab_size)
         if request.max_tokens < (0 if request.prompt_logprobs is not None else 1):
             raise InvalidRequest("max_tokens must be at least 1 (0 only to score the prompt)")
-        self._check_kv(request)
         context = info.context_length if info else None
         if context is not None and len(request.prompt_tokens) + request.max_tokens > context:
-            raise ContextTooLong(
-                f"this model's context is {context} tokens; the prompt has "
-                f"{len(request.prompt_tokens)} and max_tokens asks for {request.max_tokens} more"
-            )
+            raise ContextTooLong(len(request.prompt_tokens), context, request.max_tokens)
+        return self._fit_kv(request)
 
     def _send(self, command: Command) -> None:
         self._mailbox.send(command)
@@ -386,6 +384,11 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
     @property
     def speculation_costs(self) -> dict | None:
         return self.engines.speculation_costs
+
+    @property
+    def prefix_disk(self) -> DiskTier | None:
+        """The prefix cache's tier on disk, if any (it keeps the API-key id salt)."""
+        return self._prefix.disk if self._prefix is not None else None
 
     @property
     def prefix_stats(self) -> dict | None:

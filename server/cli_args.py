@@ -228,9 +228,18 @@ def add_request_limit_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-tokens",
         type=int,
-        default=4096,
-        help="most tokens one reply may generate (also the default); a request asking for "
-        "more is served up to this and ends with a length finish reason",
+        default=None,
+        help="the operator's cap on tokens one reply may generate; a request asking for "
+        "more is served up to this and ends with a length finish reason (default: no cap "
+        "but the context's room and the KV budget, as vLLM)",
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=32768,
+        metavar="N",
+        help="tokens a reply may generate when the request names no limit (Codex sends "
+        "none), cut to the context's room",
     )
     parser.add_argument(
         "--stream-keepalive",

@@ -14,7 +14,10 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
-    max_tokens: int = 4096  # cap on (and default for) tokens generated per request
+    # The operator's cap on tokens one reply generates; None: only the context's room
+    # (and the KV budget) bound what a client asks for.
+    max_tokens: int | None = None
+    default_max_tokens: int = 32768  # for requests that name no limit
     # Refuse max_tokens above the cap or the context's room (400) instead of cutting it.
     strict_max_tokens: bool = False
     stream_keepalive: float = 10.0  # seconds a stream may stay silent before a keep-alive

@@ -30,8 +30,10 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        anthropic_message: str | None = None,
     ) -> None:
         super().__init__(message)
+        self.anthropic_message = anthropic_message  # Anthropic's wording, where it differs
         self.status, self.message, self.type, self.param, self.code = (
             status,
             message,
@@ -46,10 +48,42 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param=param)
 
 
+def context_exceeded(prompt_len: int, context: int, requested: int | None = None) -> ApiError:
+    """The one refusal every surface shares when a prompt does not fit, worded as OpenAI
+    and Anthropic word it: clients recognise an overflow by these words (litellm's
+    ContextWindowExceededError, Claude Code's compaction on "prompt is too long"), not
+    by the code alone."""
+    if requested:
+        message = (
+            f"This model's maximum context length is {context} tokens. However, you "
+            f"requested {prompt_len + requested} tokens ({prompt_len} in the messages, "
+            f"{requested} in the completion). Please reduce the length of the messages or "
+            "completion."
+        )
+        anthropic = (
+            f"input length and `max_tokens` exceed context limit: {prompt_len} + "
+            f"{requested} > {context}, decrease input length or `max_tokens` and try again"
+        )
+    else:
+        message = (
+            f"This model's maximum context length is {context} tokens. However, your "
+            f"messages resulted in {prompt_len} tokens. Please reduce the length of the "
+            "messages."
+        )
+        anthropic = f"prompt is too long: {prompt_len} tokens > {context} maximum"
+    return ApiError(
+        400,
+        message,
+        "invalid_request_error",
+        code="context_length_exceeded",
+        anthropic_message=anthropic,
+    )
+
+
 def from_tandem_error(exc: TandemError) -> ApiError:
     """Translate an engine/scheduler error type to its HTTP meaning."""
     if isinstance(exc, ContextTooLong):
-        return ApiError(400, str(exc), "invalid_request_error", code="context_length_exceeded")
+        return context_exceeded(exc.prompt_tokens, exc.context, exc.requested)
     if isinstance(exc, InvalidRequest):
         return ApiError(400, str(exc), "invalid_request_error")
     if isinstance(exc, QueueFull):
@@ -100,7 +134,8 @@ _ANTHROPIC_TYPES = {
 def anthropic_error_body(error: ApiError) -> dict:
     """Anthropic's shape: {"type": "error", "error": {"type", "message"}}."""
     kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
+    message = error.anthropic_message or error.message
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_body_for(path: str, error: ApiError) -> dict:

@@ -7,9 +7,11 @@ terms, so each surface's module stays about wire format only.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
-from server.errors import ApiError, bad_request
+from server.errors import bad_request, context_exceeded
 from server.openai.schemas import SamplingFields
 
 
@@ -52,43 +54,43 @@ def effective_max_tokens(
     requested: int | None,
     prompt_len: int,
     context: int | None,
-    server_cap: int,
-    strict: bool = False,
+    limits: MaxTokens,
     param: str = "max_tokens",
 ) -> int:
-    """How many tokens a request may generate: what it asked for, cut to the server's
-    cap and to the room its prompt leaves in the context. Clients ask for what their
-    own upstream allows (Claude Code 32000, agents 8000+) and expect the reply to stop
-    with a length reason where it must, as the hosted APIs do; only a prompt that leaves
-    no room at all is refused. With `strict` (`--strict-max-tokens`) asking beyond the
-    cap or the room is a 400, as before."""
+    """How many tokens a request may generate: what it asked for (`limits.default` when
+    it names no limit), cut to the operator's cap (`--max-tokens`, if set) and to the
+    room its prompt leaves in the context. Clients ask for what their own upstream allows
+    (Claude Code 32000) and expect the reply to stop with a length reason only where the
+    model must, as the hosted APIs and vLLM do; only a prompt that leaves no room at all
+    is refused. With `limits.strict` (`--strict-max-tokens`) asking beyond the cap or the
+    room is a 400. The KV budget may cut it further (the scheduler, at submit)."""
     room = None if context is None else context - prompt_len
     if room is not None and room < 1 and requested != 0:
         raise context_exceeded(prompt_len, context)
     if requested == 0:
         return 0
-    if strict and requested is not None:
-        if requested > server_cap:
-            raise bad_request(
-                f"{param} is {requested}, above this server's limit of {server_cap}", param
-            )
+    cap = limits.cap
+    if limits.strict and requested is not None:
+        if cap is not None and requested > cap:
+            raise bad_request(f"{param} is {requested}, above this server's limit of {cap}", param)
         if room is not None and requested > room:
             raise context_exceeded(prompt_len, context, requested)
-    limits = [server_cap] + ([room] if room is not None else [])
-    if requested is not None:
-        limits.append(requested)
-    return max(min(limits), 1)
+    bounds = [requested if requested is not None else limits.default]
+    bounds += [b for b in (cap, room) if b is not None]
+    return max(min(bounds), 1)
 
 
-def context_exceeded(prompt_len: int, context: int, requested: int | None = None) -> ApiError:
-    """The one refusal every surface shares when a prompt does not fit."""
-    ask = f" and max_tokens asks for {requested} more" if requested else ""
-    return ApiError(
-        400,
-        f"this model's context is {context} tokens; the prompt has {prompt_len}{ask}",
-        "invalid_request_error",
-        code="context_length_exceeded",
-    )
+@dataclass(frozen=True)
+class MaxTokens:
+    """The server's limits on one reply's length (from `ServerConfig`)."""
+
+    cap: int | None = None  # --max-tokens: the operator's cap; None = none
+    default: int = 32768  # --default-max-tokens: for a request that names no limit
+    strict: bool = False  # --strict-max-tokens: refuse beyond the cap or room
+
+    @classmethod
+    def of(cls, config: Any) -> MaxTokens:
+        return cls(config.max_tokens, config.default_max_tokens, config.strict_max_tokens)
 
 
 def build_request(

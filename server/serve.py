@@ -98,6 +98,12 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         name = args.served_model_name or (path.stem if path.suffix == ".gguf" else path.name)
     else:
         raise SystemExit("tandem serve: give a MODEL (folder, .gguf file or hub id) or --demo")
+    for flag, value in (
+        ("--max-tokens", args.max_tokens),
+        ("--default-max-tokens", args.default_max_tokens),
+    ):
+        if value is not None and value < 1:
+            raise SystemExit(f"tandem serve: {flag} must be at least 1 (it is {value})")
     keys = load_api_keys(args)
     metrics_keys = tuple(
         k for k in [*args.metrics_api_key, *keys_from_file(args.metrics_api_key_file)] if k
@@ -147,6 +153,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         api_keys=keys,
         max_tokens=args.max_tokens,
+        default_max_tokens=args.default_max_tokens,
         strict_max_tokens=args.strict_max_tokens,
         stream_keepalive=args.stream_keepalive,
         demo=args.demo_random,

@@ -96,18 +96,39 @@ async def test_admission_queues_what_does_not_fit_and_every_request_finishes_exa
         scheduler.stop()
 
 
-async def test_a_request_that_could_never_fit_is_refused_with_a_400(tiny_model_dir):
+async def test_a_reply_is_cut_to_the_budget_and_a_prompt_that_never_fits_is_a_400(
+    tiny_model_dir,
+):
+    """Asking for more tokens than the budget holds is served up to it with a length
+    finish, as the context's room is (an agent's max_tokens 32000 is no error); only a
+    prompt whose KV alone could never fit is refused."""
     scheduler = start_scheduler(tiny_model_dir, max_kv_bytes=256 * 512)  # 256 tokens
     try:
+        longest = scheduler.kv.longest_alone()
+        assert 256 <= longest < 512, longest
         async with make_client(scheduler) as client:
             fits = await client.post(
                 "/v1/completions",
                 json={"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 20},
             )
             assert fits.status_code == 200, fits.text
+            more = await client.post(
+                "/v1/completions",
+                json={
+                    "model": MODEL_NAME,
+                    "prompt": "Once upon a time",
+                    "max_tokens": 600,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
+            assert more.status_code == 200, more.text
+            usage = more.json()["usage"]
+            assert more.json()["choices"][0]["finish_reason"] == "length"
+            assert usage["prompt_tokens"] + usage["completion_tokens"] == longest, usage
             over = await client.post(
                 "/v1/completions",
-                json={"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 600},
+                json={"model": MODEL_NAME, "prompt": "Once upon a time " * 200, "max_tokens": 1},
             )
         assert over.status_code == 400, over.text
         assert "KV budget" in over.json()["error"]["message"]

@@ -26,7 +26,12 @@ from server.anthropic.blocks import BlockStream
 from server.anthropic.prompt import forced_tool, render_prompt, skipped_tools, template_tools
 from server.anthropic.schemas import CountTokensRequest, MessagesRequest, Metadata
 from server.errors import anthropic_error_body, from_tandem_error
-from server.generation import effective_max_tokens, speculation_overrides, stop_strings
+from server.generation import (
+    MaxTokens,
+    effective_max_tokens,
+    speculation_overrides,
+    stop_strings,
+)
 from server.http import (
     check_model,
     collect_unless_disconnected,
@@ -187,8 +192,7 @@ def to_job(request: Request, body: MessagesRequest, model: str) -> MessageJob:
         body.max_tokens,
         len(rendered.ids),
         info.context_length,
-        config.max_tokens,
-        config.strict_max_tokens,
+        MaxTokens.of(config),
     )
     gen = generation_request(body, rendered.ids, max_tokens)
     fmt = (body.output_config.format if body.output_config else None) or body.output_format

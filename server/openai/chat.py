@@ -19,7 +19,7 @@ from engines.errors import RequestAborted, RequestFailed
 from engines.request import GenerationRequest
 from scheduler import TokenEvent
 from server.errors import bad_request, from_tandem_error, openai_error_body
-from server.generation import build_request, effective_max_tokens, new_request_id
+from server.generation import MaxTokens, build_request, effective_max_tokens, new_request_id
 from server.http import (
     check_model,
     collect_unless_disconnected,
@@ -121,8 +121,7 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
         requested,
         len(rendered.ids),
         info.context_length,
-        config.max_tokens,
-        config.strict_max_tokens,
+        MaxTokens.of(config),
         "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
     )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

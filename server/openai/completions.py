@@ -19,7 +19,7 @@ from engines.errors import RequestAborted, RequestFailed
 from engines.request import GenerationRequest
 from scheduler import TokenEvent
 from server.errors import bad_request, from_tandem_error, openai_error_body
-from server.generation import build_request, effective_max_tokens, new_request_id
+from server.generation import MaxTokens, build_request, effective_max_tokens, new_request_id
 from server.http import (
     check_model,
     collect_unless_disconnected,
@@ -74,7 +74,7 @@ def to_job(request: Request, body: CompletionRequest, model: str) -> CompletionJ
     refuse_unsupported(body)
     prompt_ids = prompt_ids_for(tokenizer, body, info.vocab_size)
     max_tokens = effective_max_tokens(
-        body.max_tokens, len(prompt_ids), context, config.max_tokens, config.strict_max_tokens
+        body.max_tokens, len(prompt_ids), context, MaxTokens.of(config)
     )
     gen = build_request(
         new_request_id("cmpl"),

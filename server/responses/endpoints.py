@@ -31,7 +31,7 @@ from engines.sequence import FinishReason
 from scheduler import TokenEvent
 from server.auth import caller_key_id
 from server.errors import ApiError, bad_request, from_tandem_error
-from server.generation import build_request, effective_max_tokens
+from server.generation import MaxTokens, build_request, effective_max_tokens
 from server.http import (
     check_model,
     collect_unless_disconnected,
@@ -208,8 +208,7 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
         body.max_output_tokens,
         len(rendered.ids),
         info.context_length,
-        config.max_tokens,
-        config.strict_max_tokens,
+        MaxTokens.of(config),
         "max_output_tokens",
     )
     gen = build_request(

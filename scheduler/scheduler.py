@@ -143,6 +143,12 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
     def num_waiting(self) -> int:
         return self.requests.num_waiting
 
+    @property
+    def serving(self) -> bool:
+        """Whether new requests are taken: loaded, warmed up (costs measured), not
+        draining. /health, /v1/models and generation all answer by this one readiness."""
+        return self.state == SchedulerState.READY and not self.draining
+
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Admit a request and return its event stream (call on the event loop)."""
         if self.state != SchedulerState.READY or self._mailbox.stopping:

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
-from engines.errors import TandemError
+from engines.errors import ServerNotReady, TandemError
 from engines.platform.blas import describe_blas
 from scheduler import Scheduler, SchedulerState
 from server.anthropic.endpoints import count_message_tokens, create_message
@@ -42,7 +42,7 @@ async def health(request: Request) -> JSONResponse:
     its exception is in the server log."""
     scheduler: Scheduler = request.app.state.scheduler
     state = scheduler.state
-    healthy = state == SchedulerState.READY and not scheduler.draining
+    healthy = scheduler.serving
     status = "draining" if state == SchedulerState.READY and scheduler.draining else state.value
     body = {"status": "ok" if healthy else status}
     if state == SchedulerState.FAILED:
@@ -52,8 +52,14 @@ async def health(request: Request) -> JSONResponse:
 
 
 async def list_models(request: Request) -> JSONResponse:
-    """The served model; 503 with Retry-After until it has loaded, like generation."""
+    """The served model; 503 with Retry-After until the server takes requests (loaded and
+    warmed up) and while it drains, like /health and generation: clients polling this for
+    readiness then never meet a 503 on their first request."""
     config: ServerConfig = request.app.state.config
+    scheduler: Scheduler = request.app.state.scheduler
+    if not scheduler.serving:
+        state = "shutting down" if scheduler.draining else scheduler.state.value
+        raise ServerNotReady(f"server is {state}")
     info = model_info_of(request)
     return JSONResponse(
         {

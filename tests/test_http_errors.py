@@ -128,6 +128,35 @@ async def test_model_list_is_503_with_retry_after_until_the_model_is_ready(tiny_
     assert response.json()["error"]["type"] == "server_unavailable"
 
 
+async def test_model_list_health_and_generation_share_one_readiness(tiny_model_dir):
+    """The weights are in (model_info is set) but the server does not take requests:
+    draining, then stopped (the same holds in the start-up warm-up, while costs are
+    measured). /v1/models answers as /health and generation do, never 200 beside a
+    503 on the request that follows it."""
+    scheduler = start_scheduler(tiny_model_dir)
+    try:
+        async with make_client(scheduler) as client:
+            assert (await client.get("/v1/models")).status_code == 200
+            scheduler.begin_drain()
+            draining = [
+                await client.get("/v1/models"),
+                await client.get("/health"),
+                await client.post(CHAT, json={"model": MODEL_NAME, "messages": USER}),
+            ]
+            scheduler.stop()
+            assert scheduler.model_info is not None
+            stopped = [
+                await client.get("/v1/models"),
+                await client.get("/health"),
+                await client.post(CHAT, json={"model": MODEL_NAME, "messages": USER}),
+            ]
+    finally:
+        scheduler.stop()
+    for response in draining + stopped:
+        assert response.status_code == 503, response.text
+    assert [r.headers.get("retry-after") is not None for r in draining][0::2] == [True, True]
+
+
 async def test_model_list_names_the_model_once_ready(client):
     response = await client.get("/v1/models")
     assert response.status_code == 200

@@ -134,15 +134,31 @@ class OutputParser:
         self.state = self.machine.make_state(initial)
         self.tool_text = ""
         self.tool_calls_emitted = 0
+        self.reasoning_tokens = 0  # output tokens spent reasoning (Responses usage)
         self.untagged = UntaggedCalls(tools) if tools and markers.untagged else None
 
-    def feed(self, text: str) -> ParsedDelta:
+    def feed(self, text: str, tokens: int = 0) -> ParsedDelta:
+        """Split `text` (`tokens` output tokens) by kind, counting reasoning tokens."""
+        before = self.state[0]
         self.state, segments = TextStateMachine.split(self.state, text)
+        self._count_reasoning(tokens, before, segments)
         return self._collect(segments)
 
-    def step(self, text: str, final: bool) -> ParsedDelta:
-        """One event's text split by kind; the final event also releases held text."""
-        parsed = self.feed(text)
+    def _count_reasoning(self, tokens: int, before: str, segments: list) -> None:
+        """An event's tokens count as reasoning by the share of its text said in the
+        reasoning state; text that is all markers (or held back as a possible one)
+        counts by whether reasoning was or is the state (`<think>`, `</think>`)."""
+        said = sum(len(text) for _, text in segments)
+        if said:
+            thought = sum(len(text) for state, text in segments if state == REASONING)
+            self.reasoning_tokens += round(tokens * thought / said)
+        elif REASONING in (before, self.state[0]):
+            self.reasoning_tokens += tokens
+
+    def step(self, text: str, final: bool, tokens: int = 0) -> ParsedDelta:
+        """One event's text (`tokens` output tokens) split by kind; the final event also
+        releases held text."""
+        parsed = self.feed(text, tokens)
         if not final:
             return parsed
         tail = self.finish()

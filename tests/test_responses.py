@@ -23,7 +23,7 @@ from server.responses.endpoints import (
 )
 from tests.clients import forced_scheduler
 from tests.conftest import MODEL_NAME, make_client
-from tests.forcing import SCRIPTS, TOOL_CALL, tool_round_trip_messages
+from tests.forcing import SCRIPTS, THINKING, TOOL_CALL, tool_round_trip_messages
 
 TOOLS = [
     {
@@ -419,7 +419,7 @@ async def test_function_call_output_round_trip(forced, reference):
         assert response.usage.input_tokens == token_count(reference, prompt)
 
 
-async def test_think_output_becomes_a_reasoning_item(forced):
+async def test_think_output_becomes_a_reasoning_item(forced, reference):
     request = {"input": ask("think"), "max_output_tokens": 60, "temperature": 0}
     async with make_client(forced) as http:
         client = sdk(http)
@@ -437,6 +437,13 @@ async def test_think_output_becomes_a_reasoning_item(forced):
     assert done.text == streamed
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == "Hello there!"
+    # usage counts the reasoning: the tokens of <think>...</think>, not of the answer
+    thought = token_count(reference, THINKING[: THINKING.index("</think>") + len("</think>")])
+    answer = token_count(reference, "Hello there!")
+    assert response.usage.output_tokens_details.reasoning_tokens == thought
+    assert response.usage.output_tokens - answer - 1 <= thought  # one EOS token at most
+    (completed,) = [e for e in events if e.type == "response.completed"]
+    assert completed.response.usage.output_tokens_details.reasoning_tokens == thought
 
 
 async def test_failure_mid_generation(forced):

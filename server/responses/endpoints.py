@@ -120,12 +120,12 @@ def final_status(event: TokenEvent) -> str:
     return "incomplete" if event.finish_reason == FinishReason.LENGTH else "completed"
 
 
-def response_usage(event: TokenEvent) -> dict:
+def response_usage(event: TokenEvent, reasoning_tokens: int = 0) -> dict:
     return {
         "input_tokens": event.prompt_tokens,
         "input_tokens_details": {"cached_tokens": event.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": event.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": event.prompt_tokens + event.completion_tokens,
     }
 
@@ -150,9 +150,14 @@ class ResponsesJob:
 
 
 def response_object(
-    job: ResponsesJob, status: str, items: list[dict], last: TokenEvent | None
+    job: ResponsesJob,
+    status: str,
+    items: list[dict],
+    last: TokenEvent | None,
+    reasoning_tokens: int = 0,
 ) -> dict:
-    """The Response resource; `last` is the final event once generation ended."""
+    """The Response resource; `last` is the final event once generation ended, and
+    `reasoning_tokens` how many of its output tokens were reasoning."""
     body, sampling = job.body, job.gen.sampling
     return {
         "id": job.gen.request_id,
@@ -177,7 +182,7 @@ def response_object(
         "truncation": "disabled",
         "metadata": body.metadata or {},
         "user": body.user,
-        "usage": response_usage(last) if last is not None else None,
+        "usage": response_usage(last, reasoning_tokens) if last is not None else None,
         "speculation": last.speculation if last is not None else None,
     }
 
@@ -273,21 +278,25 @@ def finished_response(
     last, status = events[-1], final_status(events[-1])
     assembler = OutputAssembler(job.toolset, job.seal)
     for event in events:
-        assembler.feed(parser.step(event.text, event.final))
+        assembler.feed(parser.step(event.text, event.final, len(event.token_ids)))
     assembler.finish(status)
-    result = response_object(job, status, assembler.items, last)
+    result = response_object(job, status, assembler.items, last, parser.reasoning_tokens)
     remember(store, job, assembler.items, result)
     return PiecewiseJSONResponse(result)
 
 
 def closing_events(
-    job: ResponsesJob, assembler: OutputAssembler, event: TokenEvent, store: ResponseStore
+    job: ResponsesJob,
+    assembler: OutputAssembler,
+    event: TokenEvent,
+    store: ResponseStore,
+    reasoning_tokens: int = 0,
 ) -> list[dict]:
     """The events that end a stream: the open item closed and the final response, stored
     before it is sent so a follow-up can name it at once."""
     status = final_status(event)
     payloads = assembler.finish(status)
-    result = response_object(job, status, assembler.items, event)
+    result = response_object(job, status, assembler.items, event, reasoning_tokens)
     remember(store, job, assembler.items, result)
     return [*payloads, {"type": f"response.{status}", "response": result}]
 
@@ -322,9 +331,12 @@ async def response_events(
                 ):
                     yield line
                 continue
-            payloads = assembler.feed(parser.step(event.text, event.final))
+            tokens = len(event.token_ids)
+            payloads = assembler.feed(parser.step(event.text, event.final, tokens))
             if event.final:
-                payloads += await off_the_loop(closing_events, job, assembler, event, store)
+                payloads += await off_the_loop(
+                    closing_events, job, assembler, event, store, parser.reasoning_tokens
+                )
             for line in framed(payloads, numbers):
                 yield line
     except (RequestFailed, RequestAborted) as exc:

@@ -8,27 +8,33 @@ PRELOAD := $(if $(BLAS),LD_PRELOAD=$(BLAS),)
 
 .PHONY: serve test test-slow lint bench clean
 
+# What serving needs (`make serve`): the package alone, no test clients or agent SDKs.
 $(BIN)/.installed: pyproject.toml setup.py engines/platform/cpu_softmax.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# The tests' extras on top (`make test`, lint): clients, SDKs, agents, Playwright.
+$(BIN)/.installed-dev: $(BIN)/.installed
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
 serve: $(BIN)/.installed
 	$(BIN)/tandem serve --demo
 
-test: $(BIN)/.installed
+test: $(BIN)/.installed-dev
 	$(PRELOAD) $(BIN)/pytest -q
 
 # Long tests (marked slow); pytest exits 5 when none are collected.
-test-slow: $(BIN)/.installed
+test-slow: $(BIN)/.installed-dev
 	$(PRELOAD) $(BIN)/pytest -q -m slow || [ $$? -eq 5 ]
 
-lint: $(BIN)/.installed
+lint: $(BIN)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-bench: $(BIN)/.installed
+bench: $(BIN)/.installed-dev
 	$(PRELOAD) $(BIN)/python -m bench.single_stream
 
 clean:

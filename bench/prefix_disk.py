@@ -77,7 +77,7 @@ async def measure(model: str, length: int, root: Path) -> dict:
         copied = cold_server._prefix.disk.copy_seconds
     finally:
         cold_server.stop(timeout=120)
-    files = list(directory.glob("*.safetensors"))
+    files = list(cold_server.prefix_disk.directory.glob("*.safetensors"))
     warm_server = start(model, directory)
     try:
         await first_token(warm_server, "warm-b", tokenizer.encode(WARM_UP * 5))

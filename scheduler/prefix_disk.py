@@ -3,9 +3,10 @@
 Behind the in-memory prefix cache (scheduler/prefix_cache.py): what it stores is also
 written here (prompts of at least `MIN_TOKENS`; a shorter prefill costs less than the
 copy), and a prompt that extends an entry on disk further than any entry in memory is
-read back from here instead of prefilled. Files live in one directory (0700), one entry
-per file (0600, scheduler/prefix_files.py), named by hashes of the model's identity, the
-API-key scope and the tokens; one key's entries are never served to another.
+read back from here instead of prefilled. Files live in a folder the tier owns inside
+the one it is given (scheduler/prefix_folder.py), one entry per file (0600,
+scheduler/prefix_files.py), named by hashes of the model's identity, the API-key scope
+and the tokens; one key's entries are never served to another.
 
 Threads: the engine thread copies an entry's arrays to host memory (`save`) and turns
 a file read back into cache layers at a hit (`best`, `load`). The file itself is read
@@ -16,9 +17,11 @@ file thanks to a memo) and the index, rebuilt from the files' headers; then the 
 from a bounded queue (a full queue drops the write: the engine thread never waits), and
 the evictions. The index is shared by the two, under one lock.
 
-A file that cannot be read, fails its checksum or claims another model under this
-model's name is deleted and logged, never loaded. Files of other models (another server
-sharing the directory) are not served, but count toward the bound, oldest first out.
+The tier touches only its own files: named as it names them, with a header it wrote.
+Anything else in its folder is left alone and not counted. A file named as this
+model's that cannot be read, fails its checksum or claims another model is deleted and
+logged, never loaded. Entries of other models (another server sharing the folder) are
+not served, but count toward the bound, oldest first out.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +42,7 @@ import numpy as np
 from engines.model.identity import model_identity, parameter_dtypes
 from engines.model.mtp import local_folder
 from scheduler.prefix_files import (
-    SUFFIX,
+    ENTRY,
     BadEntry,
     Header,
     Snapshot,
@@ -51,6 +55,7 @@ from scheduler.prefix_files import (
     scope_hash,
     snapshot,
 )
+from scheduler.prefix_folder import own_folder, scope_salt, stale_temp, write_private
 from scheduler.prefix_reads import DiskReads
 
 log = logging.getLogger(__name__)
@@ -79,7 +84,9 @@ class Loaded:
 
 class DiskTier:
     def __init__(self, directory: Path, max_bytes: int, min_tokens: int = MIN_TOKENS) -> None:
-        self.directory = Path(directory)
+        """Takes (or makes) the tier's folder in `directory` at once: an unsafe one
+        stops the server at start (`UnsafeFolder`), before anything is served."""
+        self.directory = own_folder(Path(directory))
         self.max_bytes = max_bytes
         self.min_tokens = min_tokens
         self.identity = ""
@@ -106,6 +113,11 @@ class DiskTier:
             target=self._work, args=(identify,), name="tandem-prefix-disk", daemon=True
         )
         self._thread.start()
+
+    def scope_salt(self, keys: tuple[str, ...]) -> bytes:
+        """The salt of API-key ids kept with the entries: a key's entries serve it
+        after a restart, until the set of keys changes (prefix_folder.py)."""
+        return scope_salt(self.directory, keys)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self._ready.wait(timeout)
@@ -243,32 +255,18 @@ class DiskTier:
                     self._pending.discard(name)
 
     def _scan(self) -> None:
-        """The index, from the files' headers; leftovers of interrupted writes go."""
-        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.directory, 0o700)
-        mine, others = self.identity[:16], 0
+        """The index, from the headers of the tier's files; a crashed writer's temps
+        go. What the tier did not write is left alone."""
+        others = 0
         for path in self.directory.iterdir():
-            if path.name.endswith(".tmp"):
+            if stale_temp(path.name):
                 path.unlink(missing_ok=True)
                 continue
-            if not path.name.endswith(SUFFIX):
-                continue
             try:
-                stat = path.stat()
-            except OSError:  # removed meanwhile (another server sharing the directory)
+                if self._indexed(path) == "other":
+                    others += 1
+            except OSError:  # removed meanwhile (another server sharing the folder)
                 continue
-            header = None
-            if path.name.startswith(f"{mine}-"):
-                try:
-                    header = read_header(path)
-                    if header.identity != self.identity:
-                        raise BadEntry("made for another model than its name says")
-                except BadEntry as error:
-                    self._reject(path, error)
-                    continue
-            else:
-                others += 1
-            self._add(path, stat.st_size, stat.st_mtime, header)
         log.info(
             "prefix cache on disk: %s, %d entries of this model, %d of others, %.2f of %.2f GB",
             self.directory,
@@ -280,20 +278,36 @@ class DiskTier:
         with self._lock:
             self._evict()
 
+    def _indexed(self, path: Path) -> str | None:
+        """Index `path` if it is an entry: "mine" (this model's), "other" (another
+        model's, counted), None (not the tier's, or a bad file of this model's, deleted)."""
+        named = ENTRY.fullmatch(path.name)
+        if named is None:
+            return None
+        info = path.lstat()
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        mine = named[1] == self.identity[:16]
+        try:
+            header = read_header(path)
+            if file_name(header.identity, header.scope, header.tokens) != path.name:
+                raise BadEntry("its header is not the one its name says")
+            if mine and header.identity != self.identity:
+                raise BadEntry("made for another model than its name says")
+        except BadEntry as error:
+            gone = isinstance(error.__cause__, FileNotFoundError)  # evicted by a server beside
+            if mine and not gone:  # named as this model's entry, in the tier's own folder
+                self._reject(path, error)
+            return None
+        self._add(path, info.st_size, info.st_mtime, header if mine else None)
+        return "mine" if mine else "other"
+
     def _write(self, name: str, entry: Snapshot) -> None:
         data = encode(entry, self.identity, self.draft_identity)
         if len(data) > self.max_bytes:
             return
         path = self.directory / name
-        partial = path.with_name(f"{name}.{os.getpid()}.tmp")
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-            os.replace(partial, path)
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
+        write_private(path, data)
         header = Header(
             self.identity,
             self.draft_identity,
@@ -388,11 +402,17 @@ def default_directory() -> Path:
 
 
 def disk_tier(directory: str | None, max_bytes: int, distributed: str | None) -> DiskTier | None:
-    """The tier the settings ask for; none when off (0 bytes) or sharded across ranks
-    (each rank holds only its shard of the caches)."""
+    """The tier the settings ask for; none when off (0 bytes), sharded across ranks
+    (each rank holds only its shard of the caches) or its folder cannot be made. An
+    unsafe folder stops the server (`UnsafeFolder`)."""
     if max_bytes <= 0 or distributed:
         return None
-    return DiskTier(Path(directory).expanduser() if directory else default_directory(), max_bytes)
+    given = Path(directory).expanduser() if directory else default_directory()
+    try:
+        return DiskTier(given, max_bytes)
+    except OSError as error:  # the tier is an optimisation: serve without it
+        log.warning("prefix cache on disk: off (could not open %s: %s)", given, error)
+        return None
 
 
 def identities(registry: Any, draft_vocab: int | None, memo_dir: Path) -> Callable:

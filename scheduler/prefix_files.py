@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,8 @@ CLASSES = {
     )
 }
 SUFFIX = ".safetensors"
+# What `file_name` makes: the model's identity, the scope and the tokens, hashed.
+ENTRY = re.compile(r"([0-9a-f]{16})-[0-9a-f]{16}-[0-9a-f]{24}\.safetensors")
 _MAX_HEADER = 64 << 20
 
 

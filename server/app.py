@@ -22,7 +22,7 @@ from engines.errors import ServerNotReady, TandemError
 from engines.platform.blas import describe_blas
 from scheduler import Scheduler, SchedulerState
 from server.anthropic.endpoints import count_message_tokens, create_message
-from server.auth import ApiKeyMiddleware
+from server.auth import PROCESS_SALT, ApiKeyMiddleware
 from server.config import ServerConfig
 from server.errors import ApiError, error_response_for, from_tandem_error
 from server.hosts import ANY_HOST, HostCheck
@@ -119,7 +119,22 @@ async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(request, ApiError(500, "internal server error", "server_error"))
 
 
-def build_middleware(config: ServerConfig, metrics: Metrics) -> list[Middleware]:
+def key_salt(config: ServerConfig, scheduler: Scheduler) -> bytes:
+    """The salt of API-key ids: kept with the prefix cache on disk, so a key's entries
+    there serve it after a restart (a new one when the keys change); else per process."""
+    disk = scheduler.prefix_disk
+    if disk is None or not config.api_keys:
+        return PROCESS_SALT
+    try:
+        return disk.scope_salt(config.api_keys)
+    except OSError as error:  # keyed entries on disk then serve only this process
+        log.warning("prefix cache on disk: no API-key id salt in %s: %s", disk.directory, error)
+        return PROCESS_SALT
+
+
+def build_middleware(
+    config: ServerConfig, metrics: Metrics, salt: bytes = PROCESS_SALT
+) -> list[Middleware]:
     """Outermost first: Host check (keyless servers by default), CORS, body size and read time,
     API key, rate limit."""
     middleware = []
@@ -154,6 +169,7 @@ def build_middleware(config: ServerConfig, metrics: Metrics) -> list[Middleware]
             keys=config.api_keys,
             metrics_keys=config.metrics_api_keys,
             on_denied=lambda: metrics.count_error("authentication_error"),
+            salt=salt,
         )
     )
     if config.rate_limit_per_minute > 0:
@@ -221,7 +237,7 @@ def create_app(config: ServerConfig, scheduler: Scheduler | None = None) -> Star
         routes.extend(ui_routes(str(mx.default_device())))
     app = Starlette(
         routes=routes,
-        middleware=build_middleware(config, metrics),
+        middleware=build_middleware(config, metrics, key_salt(config, scheduler)),
         exception_handlers={
             ApiError: on_api_error,
             TandemError: on_tandem_error,

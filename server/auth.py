@@ -8,7 +8,9 @@ presents then), so keys cannot be guessed at network speed. Scopes other than HT
 
 An accepted key leaves its id (`key_id`: a keyed hash, never the key) in the request
 scope; what must not cross between users (prefix-cache reuse, rate-limit buckets)
-is keyed by it.
+is keyed by it. The hash's salt is the middleware's: with a prefix cache on disk, the
+one kept in its folder, so a key's entries there serve it after a restart (made anew
+when the keys change: scheduler/prefix_folder.py); else one made per process.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/"})  # "/": the web page, which asks for a key
 OPEN_PREFIX = "/ui/static/"  # the page's script and style: no data in them
-_ID_SALT = secrets.token_bytes(16)  # per process: ids cannot be matched across restarts
+PROCESS_SALT = secrets.token_bytes(32)  # ids no restart can match (no prefix cache on disk)
 _KEY_ID = "tandem.key_id"  # where the accepted key's id lives in scope["state"]
 
 
@@ -78,9 +80,10 @@ def key_is_valid(presented: str | None, keys: tuple[str, ...]) -> bool:
     return any([hmac.compare_digest(given, key.encode()) for key in keys])
 
 
-def key_id(key: str) -> str:
-    """A name for an API key that stands for it in memory, not reversible to it."""
-    return hmac.new(_ID_SALT, key.encode(), "sha256").hexdigest()[:24]
+def key_id(key: str, salt: bytes = PROCESS_SALT) -> str:
+    """A name for an API key that stands for it, not reversible to it (an HMAC under
+    `salt`: the same id for the same key only under the same salt)."""
+    return hmac.new(salt, key.encode(), "sha256").hexdigest()[:24]
 
 
 def caller_key_id(scope: Scope) -> str | None:
@@ -101,10 +104,12 @@ class ApiKeyMiddleware:
         keys: tuple[str, ...],
         metrics_keys: tuple[str, ...] = (),
         on_denied: Callable[[], None] | None = None,
+        salt: bytes = PROCESS_SALT,
     ) -> None:
         self.app = app
         self.keys = keys
         self.metrics_keys = metrics_keys
+        self.salt = salt  # of the ids of accepted keys (`key_id`)
         self.on_denied = on_denied or (lambda: None)
         self.failures = TokenBuckets(self.FAILURES_PER_MINUTE, burst=self.FAILURES_BURST)
 
@@ -135,7 +140,7 @@ class ApiKeyMiddleware:
             return
         presented = presented_key(dict(scope["headers"]))
         if key_is_valid(presented, keys):
-            scope.setdefault("state", {})[_KEY_ID] = key_id(presented)
+            scope.setdefault("state", {})[_KEY_ID] = key_id(presented, self.salt)
             await self.app(scope, receive, send)
             return
         self.failures.take(address, now)

@@ -2,9 +2,11 @@
 serves a prompt that extends a stored one from disk, with output identical to a cold
 prefill; entries stay within their API key; a corrupt, truncated or foreign file is
 dropped and logged, never loaded; the bound in bytes evicts the least recently used;
-files are private (0600 in a 0700 directory); sliding-window and recurrent caches come
-back through their prompt checkpoints; the draft model's cache comes back beside the
-target's."""
+files are private (0600, in a 0700 folder of the tier's own); sliding-window and
+recurrent caches come back through their prompt checkpoints; the draft model's cache
+comes back beside the target's. (What the tier owns in a folder it shares, and the
+API-key scopes it keeps across restarts: tests/test_prefix_folder.py,
+tests/test_prefix_disk_keys.py.)"""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from engines.request import GenerationRequest, SamplingParams
 from scheduler.prefix_cache import PrefixCache
 from scheduler.prefix_disk import MIN_TOKENS, DiskTier
 from scheduler.prefix_files import SUFFIX
+from scheduler.prefix_folder import SUBFOLDER
 from tests.conftest import Reference, make_client, start_scheduler
 from tests.tiny_archs import build_tiny_arch
 
@@ -73,7 +76,8 @@ async def served_once(model_dir, directory: Path, ids: list[int], **overrides) -
 
 
 def files(directory: Path) -> list[Path]:
-    return sorted(directory.glob(f"*{SUFFIX}"))
+    """The entries the tier keeps for `--prefix-cache-dir directory` (in its subfolder)."""
+    return sorted((directory / SUBFOLDER).glob(f"*{SUFFIX}"))
 
 
 async def test_a_restart_serves_an_extended_prompt_from_disk(tiny_model_dir, reference, tmp_path):
@@ -81,7 +85,7 @@ async def test_a_restart_serves_an_extended_prompt_from_disk(tiny_model_dir, ref
     ids = long_prompt(reference.tokenizer)
     assert await served_once(tiny_model_dir, directory, ids) == 0
     assert files(directory), "the finished request's cache was written"
-    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE((directory / SUBFOLDER).stat().st_mode) == 0o700
     for path in files(directory):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         assert "key-a" not in path.name
@@ -156,7 +160,7 @@ async def test_another_models_files_are_never_served(
     [theirs] = [p for p in files(directory) if p.name[16:] != mine.name[16:]]
     assert mine.exists()
 
-    forged = directory / (mine.name[:16] + theirs.name[16:])
+    forged = mine.with_name(mine.name[:16] + theirs.name[16:])
     theirs.rename(forged)
     caplog.set_level(logging.WARNING, logger="scheduler.prefix_disk")
     scheduler = disk_scheduler(tiny_model_dir, directory)

@@ -8,10 +8,14 @@ hook); `MARKER@point` fails it at a point of the batched speculative engine inst
 * `insert`: while joining the engine, after its caches were built;
 * `merge`: while its rows join the running batch, after the batch's caches took them;
 * `prefill`: after a prefill chunk of its group ran;
-* `verify`: after a verify forward scored the batch, before any row rolled back.
+* `verify`: after a verify forward scored the batch, before any row rolled back;
+* `draft`: after the model drafter (draft model or MTP head) drafted for the batch,
+  each row it fed, before the drafts were kept;
+* `lookup`: as the row's prompt-lookup or suffix drafter is about to propose.
 
 The request names the point; the engine raises `RowFault` there, which the engine's
-containment turns into that request's failure alone.
+containment turns into that request's failure alone -- or, at the drafting points,
+into the request going on without the drafter that failed (`batched/containment.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-POINTS = ("insert", "merge", "prefill", "verify")
+POINTS = ("insert", "merge", "prefill", "verify", "draft", "lookup")
 
 
 class RowFault(RuntimeError):

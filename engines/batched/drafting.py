@@ -8,16 +8,19 @@ after a catch-up forward that feeds each row what it has not seen.
 
 Invariant: draft-cache row i holds exactly `rows[i].draft_fed`, a prefix of the
 row's committed tokens followed by tokens it drafted; a rollback keeps only the
-committed prefix.
+committed prefix. A failed draft changes no request's tokens: the rows it belongs to
+draft on without the drafter that failed (`containment`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from engines.batched.containment import stop_drafting
 from engines.batched.costs import BatchCosts, BatchPlan, RowOption, choose_draft_length
 from engines.cache.ragged_cache import (
     RaggedKVCache,
@@ -31,13 +34,15 @@ from engines.drafting.draft_model import DraftState, choose_draft_token, shared_
 from engines.drafting.draft_vocab import OwnTokens, bind_own
 from engines.drafting.mtp import MTPState
 from engines.drafting.prompt_lookup import PromptLookupDrafter
+from engines.faults import RowFault, check
 from engines.gating.gates import MethodGate, expected_tokens
 from engines.sequence import Sequence
 
 
 @dataclass
 class BatchRow:
-    """One running sequence and its drafting state (all of it the request's own)."""
+    """One running sequence and its drafting state (all of it the request's own, read
+    and changed on the engine thread only)."""
 
     seq: Sequence
     gates: dict[str, MethodGate]
@@ -50,6 +55,9 @@ class BatchRow:
     match: int = 0  # the match length of this step's lookup proposal (PLD's or SUFFIX's)
     mtp: MTPState | None = None  # its MTP head's bookkeeping (`batched_mtp`), if it may use it
     own: OwnTokens = field(default_factory=OwnTokens)  # its tokens a reduced draft scores
+    # the draft model failed on it: its draft-cache row is fed no more, and it leaves
+    # without a draft state (its gate is gone too: `containment.contain_draft_failure`)
+    drafter_failed: bool = False
 
     @property
     def tokens(self) -> list[int]:
@@ -100,11 +108,11 @@ def lookup_proposal(row: BatchRow, cap: int) -> tuple[Draft | None, tuple[float,
     nothing to propose rests a few tokens."""
     candidates = []
     if PLD in row.gates:
-        candidates.append(row.pld.propose(row.tokens, cap))
+        candidates.append(_proposal(row, PLD, lambda: row.pld.propose(row.tokens, cap)))
     gate = row.gates.get(SUFFIX)
     if gate is not None and gate.due and row.seq.suffix is not None:
-        suffix = row.seq.suffix.propose(row.tokens, cap)
-        if suffix is None:
+        suffix = _proposal(row, SUFFIX, lambda: row.seq.suffix.propose(row.tokens, cap))
+        if suffix is None and SUFFIX in row.gates:
             gate.rest()
         candidates.append(suffix)
     best, best_acceptance, best_gain = None, (), 0.0
@@ -117,6 +125,17 @@ def lookup_proposal(row: BatchRow, cap: int) -> tuple[Draft | None, tuple[float,
         if gain > best_gain:
             best, best_acceptance, best_gain = draft, acceptance, gain
     return best, best_acceptance
+
+
+def _proposal(row: BatchRow, method: str, propose: Callable[[], Draft | None]) -> Draft | None:
+    """`propose()`: the row's lookup proposal by `method`. One that raises turns the
+    method off for the row (`containment.stop_drafting`), which goes on without it."""
+    try:
+        check([row], "lookup")
+        return propose()
+    except Exception as exc:  # noqa: BLE001 - a lookup only proposes: the row goes on
+        stop_drafting([row], method, exc, f"a {method} proposal")
+        return None
 
 
 def choose_row_method(row: BatchRow, options: list[RowOption], k: int, with_model: bool) -> None:
@@ -162,16 +181,17 @@ def draft_with_model(
     pending = []
     for i, row in enumerate(rows):
         roll_back_draft(cache, rows, i)
-        pending.append(row.tokens[len(row.draft_fed) :])
+        pending.append([] if row.drafter_failed else row.tokens[len(row.draft_fed) :])
     while max(len(p) for p in pending) > chunk:  # a long gap catches up in chunks
         head = [p[: max(0, len(p) - 1)][:chunk] for p in pending]
         _feed(model, cache, rows, head)
         pending = [p[len(h) :] for p, h in zip(pending, head, strict=True)]
     logits = _feed(model, cache, rows, pending)
-    last = mx.array([len(p) - 1 for p in pending])
+    last = mx.array([max(0, len(p) - 1) for p in pending])
     logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0, :vocab]
     with pinned(cache, [len(row.draft_fed) for row in rows]):  # a rollback goes back here
         proposals = chain_rows(model, cache, rows, logits, lengths)
+        check([row for row in rows if not row.drafter_failed], "draft")
     for row, proposal in zip(rows, proposals, strict=True):
         row.draft_fed.extend(proposal[:-1])  # every draft but the last was fed
     return k
@@ -256,9 +276,12 @@ def _choose(rows, logits, drafting, proposals, probs) -> list[int]:
         if not (params.greedy and not row.seq.processors):
             history = [*row.tokens, *proposals[i]]
             position = len(row.seq.generated) + len(proposals[i])
-            chosen[i], q = choose_draft_token(
-                logits[i : i + 1], params, row.seq.rng, row.seq.processors, history, position
-            )
+            try:  # the row's own sampling and processors: a failure is the row's
+                chosen[i], q = choose_draft_token(
+                    logits[i : i + 1], params, row.seq.rng, row.seq.processors, history, position
+                )
+            except Exception as exc:
+                raise RowFault([row.seq.request_id], f"drafting for it: {exc}") from exc
             if q is not None:
                 probs[i].append(q[0])
         proposals[i].append(chosen[i])
@@ -290,19 +313,39 @@ class DraftModelRows:
 
     def draft(self, cache: list, rows: list[BatchRow]) -> tuple[int, bool]:
         """(draft forwards run, whether every row was caught up: a steady cost)."""
-        steady = all(len(row.tokens) - len(row.draft_fed) <= 2 for row in rows)
+        fed = [rows[i] for i in self.drafting_rows(rows)]
+        steady = all(len(row.tokens) - len(row.draft_fed) <= 2 for row in fed)
         return draft_with_model(self.model, cache, rows, self.vocab_size, self.chunk), steady
 
-    def copy(self, cache: list, rows: list[BatchRow], index: int) -> DraftState:
+    def drafting_rows(self, rows: list[BatchRow]) -> list[int]:
+        """The rows a draft feeds (every row the draft model has not failed on)."""
+        return [i for i, row in enumerate(rows) if not row.drafter_failed]
+
+    def recover(self, cache: list, rows: list[BatchRow], failed: list[int]) -> None:
+        """After a draft that raised: every draft-cache row holds exactly `draft_fed`
+        again (a forward that failed may have written past it; `draft_fed` grows only
+        once a forward is done, and `pinned` keeps a window able to go back that far),
+        and the `failed` rows' are fed no more."""
+        for i, row in enumerate(rows):
+            set_row_length(cache, i, len(row.draft_fed))
+        for i in failed:
+            rows[i].drafter_failed = True
+
+    def copy(self, cache: list, rows: list[BatchRow], index: int) -> DraftState | None:
         """Row `index`'s draft cache as it is and the tokens it holds, drafts included (a
         copy for the prefix cache, which cuts it to the target's tokens); the row goes
-        on unchanged."""
+        on unchanged. None after the draft model failed on the row."""
+        if rows[index].drafter_failed:
+            return None
         return DraftState([layer.extract(index) for layer in cache], list(rows[index].draft_fed))
 
-    def leave(self, cache: list, rows: list[BatchRow], index: int) -> tuple[DraftState, None]:
+    def leave(
+        self, cache: list, rows: list[BatchRow], index: int
+    ) -> tuple[DraftState | None, None]:
         roll_back_draft(cache, rows, index)
         state = self.copy(cache, rows, index)
-        state.own = rows[index].own
+        if state is not None:
+            state.own = rows[index].own
         return state, None
 
     def check(self, cache: list, rows: list[BatchRow]) -> None:

@@ -44,7 +44,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from engines.batched.containment import failed_outputs, involved
+from engines.batched.containment import contain_draft_failure, failed_outputs, involved
 from engines.batched.costs import BatchCosts, BatchPlan
 from engines.batched.drafting import BatchRow, DraftModelRows, plan_rows
 from engines.batched.membership import BatchMembership
@@ -244,17 +244,13 @@ class BatchedSpeculativeEngine(BatchMembership):
         self, plan: BatchPlan, started: float, rows: int, forward: Callable | None = None
     ) -> list[StepOutput]:
         """A verify of the plan's drafts (or an unpipelined plain step), timed; a
-        `forward` that carries a prefill chunk makes it a step that measures nothing."""
-        k = plan.k
-        if plan.with_model:
-            drafting = time.perf_counter()
-            forwards, steady = self.model_drafter.draft(self.draft_cache, self.rows)
-            seconds = time.perf_counter() - drafting
-            self._result.forward_seconds += seconds
-            if steady and forwards:  # a long catch-up is not what each drafted token costs
-                self.costs.observe_draft(len(self.rows), seconds / forwards)
+        `forward` that carries a prefill chunk, or a draft that failed, makes it a step
+        that measures nothing."""
+        k, measured = plan.k, forward is None
+        if plan.with_model and not self._draft():  # the lookup drafts are verified alone
+            k, measured = min(k, max(len(row.drafts) for row in self.rows)), False
         outputs = self._verify(k, forward)
-        if forward is not None:
+        if not measured:
             return outputs
         committed = sum(len(output.token_ids) for output in outputs)
         # judged like a plain step's cadence (from the previous step's return, so the
@@ -263,6 +259,22 @@ class BatchedSpeculativeEngine(BatchMembership):
         self.costs.observe_outcome(rows, plan, committed, seconds)
         self.pacer.observe_decode(seconds)
         return outputs
+
+    def _draft(self) -> bool:
+        """The model drafter drafts for the rows that chose it (timed). False: it raised,
+        and no row keeps a model draft (`containment.contain_draft_failure`)."""
+        started = time.perf_counter()
+        try:
+            forwards, steady = self.model_drafter.draft(self.draft_cache, self.rows)
+        except Exception as exc:  # noqa: BLE001 - a draft only proposes: every row goes on
+            contain_draft_failure(self.model_drafter, self.draft_cache, self.rows, exc)
+            return False
+        finally:
+            seconds = time.perf_counter() - started
+            self._result.forward_seconds += seconds
+        if steady and forwards:  # a long catch-up is not what each drafted token costs
+            self.costs.observe_draft(len(self.rows), seconds / forwards)
+        return True
 
     def _carrying_step(self, plan: BatchPlan, started: float) -> list[StepOutput]:
         """The rows' verify (as `plan` drafts it) with one chunk of the next prefill

@@ -29,6 +29,7 @@ from engines.cache.ragged_cache import RaggedKVCache
 from engines.cache.rollback import trim_exact
 from engines.drafting.draft import DRAFT, MTP
 from engines.drafting.mtp import MTPState
+from engines.faults import check
 from engines.model.mtp import MTPHead, TargetParts
 
 
@@ -185,11 +186,23 @@ class BatchedMTP:
             if row.method == MTP and not ok:
                 row.method, row.drafts, row.draft_length = None, [], 0
         lengths = [row.draft_length if ok else 0 for row, ok in zip(rows, ready, strict=True)]
-        if not any(lengths):
-            return 0, steady
-        newest = [row.mtp.newest if ok else None for row, ok in zip(rows, ready, strict=True)]
-        like = next(n for n in newest if n is not None)
-        out = mx.concatenate([like * 0 if n is None else n for n in newest])
-        logits = self.parts.logits(out)[:, 0, : self.vocab_size]
-        chain_rows(_HeadSteps(self.head, self.parts, out), cache, rows, logits, lengths)
+        if any(lengths):
+            newest = [row.mtp.newest if ok else None for row, ok in zip(rows, ready, strict=True)]
+            like = next(n for n in newest if n is not None)
+            out = mx.concatenate([like * 0 if n is None else n for n in newest])
+            logits = self.parts.logits(out)[:, 0, : self.vocab_size]
+            chain_rows(_HeadSteps(self.head, self.parts, out), cache, rows, logits, lengths)
+        check([rows[i] for i in self.drafting_rows(rows)], "draft")
         return max(lengths), steady
+
+    def drafting_rows(self, rows: list[BatchRow]) -> list[int]:
+        """The rows a draft feeds (those with a head state)."""
+        return [i for i, row in enumerate(rows) if row.mtp is not None]
+
+    def recover(self, cache: list[RaggedKVCache], rows: list[BatchRow], failed: list[int]) -> None:
+        """After a draft that raised: the `failed` rows lose their head state (the head
+        drafts for them no more). Every other row's is consistent as it is: a head
+        forward that failed consumed none of its pending pairs, and the next feed cuts
+        whatever the head cache holds past its true entries."""
+        for i in failed:
+            rows[i].mtp = None

@@ -108,14 +108,16 @@ class ParsedDelta:
 class OutputParser:
     """Feed text deltas; get back what is safe to emit, split by kind. Tool calls are
     parsed only when the request offered tools; otherwise their markup is content.
-    Forced calls (tool_choice required / named) are tagged by their grammar, so only
-    tool_choice auto ever leaves an untagged call to recognise."""
+    A forced call (tool_choice required / named, `forced`) is written in the markup its
+    grammar gives: tagged for JSON-in-tags models, else bare JSON, which is then read
+    as a call even with --strict-tool-calls (the grammar let nothing else through)."""
 
     def __init__(
         self,
         markers: OutputMarkers,
         tools: list | None = None,
         start_in_reasoning: bool = False,
+        forced: bool = False,
     ) -> None:
         self.tools = tools
         self.parser = markers.tool_parser
@@ -135,7 +137,8 @@ class OutputParser:
         self.tool_text = ""
         self.tool_calls_emitted = 0
         self.reasoning_tokens = 0  # output tokens spent reasoning (Responses usage)
-        self.untagged = UntaggedCalls(tools) if tools and markers.untagged else None
+        untagged = markers.untagged or forced
+        self.untagged = UntaggedCalls(tools) if tools and untagged else None
 
     def feed(self, text: str, tokens: int = 0) -> ParsedDelta:
         """Split `text` (`tokens` output tokens) by kind, counting reasoning tokens."""

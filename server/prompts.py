@@ -14,6 +14,7 @@ from typing import Any
 from server.errors import ApiError, bad_request
 from server.openai.schemas import ChatMessage, TextPart
 from server.safe_encoding import Escaper, encode_marked
+from server.tool_prompt import messages_for_template
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
@@ -165,7 +166,10 @@ def apply_template(
     tools: list | None,
     generation_prompt: bool = True,
 ) -> str:
-    """The template's text for escaped `messages` and `tools` (markers, not specials)."""
+    """The template's text for escaped `messages` and `tools` (markers, not specials).
+    What the template would drop (tools, earlier calls) is first written into the
+    messages as text (`server.tool_prompt`): never silently lost."""
+    messages, tools = messages_for_template(tokenizer, messages, tools)
     return tokenizer.apply_chat_template(
         escaper.escape(messages),
         tools=escaper.escape(tools) or None,

@@ -132,30 +132,32 @@ def forced_tool_constraint(
     starts_in_reasoning: bool,
     param: str = "tool_choice",
 ) -> Constraint:
-    """One call to a tool (`forced_name`, or any of `tools`), in the model's own
-    tool-call markup. Supported where that markup is JSON in tags (mlx-lm's
-    `json_tools` parser: Qwen, Hermes and similar templates)."""
+    """One call to a tool (`forced_name`, or any of `tools`). Where the model's tool
+    calls are JSON in tags (mlx-lm's `json_tools` parser: Qwen, Hermes and similar),
+    in that markup; for any other template (none at all, as SmolLM2's, or another
+    format) as the bare `{"name": ..., "arguments": ...}` object the server reads back
+    as a call, so a forced call works on every model."""
     if not tools:
         raise bad_request("tool_choice forces a tool call, but the request has no tools", param)
-    parser = markers.tool_parser
-    if markers.tool is None or getattr(parser, "__module__", "") != JSON_TOOLS:
-        raise bad_request(
-            "forcing a tool call needs a model whose tool calls are JSON in <tool_call> tags "
-            "(the json_tools parser); use tool_choice 'auto' with this model",
-            param,
-        )
     functions = [tool.get("function", tool) for tool in tools]
     if forced_name is not None:
         functions = [f for f in functions if f.get("name") == forced_name]
         if not functions:
             raise bad_request(f"tool_choice names '{forced_name}', which is not in tools", param)
-    start, end = markers.tool
+    free_until = _free_until(tokenizer, markers, starts_in_reasoning, param)
     try:
-        return grammar.tool_call(
-            functions, start, end, _free_until(tokenizer, markers, starts_in_reasoning, param)
-        )
+        if not has_json_tags(markers):
+            return grammar.bare_tool_call(functions, free_until)
+        start, end = markers.tool
+        return grammar.tool_call(functions, start, end, free_until)
     except InvalidRequest as exc:
         raise bad_request(f"cannot force this tool call: {exc}", param) from None
+
+
+def has_json_tags(markers) -> bool:
+    """Whether the model's tool calls are JSON in tags (the json_tools parser)."""
+    parser = markers.tool_parser
+    return markers.tool is not None and getattr(parser, "__module__", "") == JSON_TOOLS
 
 
 def text_or_tool_calls_constraint(
@@ -165,8 +167,7 @@ def text_or_tool_calls_constraint(
     it valid for its tool. Only for JSON-in-tags formats; where that cannot be built
     (another format, a schema llguidance refuses) the request runs unconstrained, as it
     would without the flag: the client did not ask for enforcement."""
-    parser = markers.tool_parser
-    if markers.tool is None or getattr(parser, "__module__", "") != JSON_TOOLS:
+    if not has_json_tags(markers):
         return None
     start, end = markers.tool
     functions = [tool.get("function", tool) for tool in tools]

@@ -77,6 +77,50 @@ def no_template_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
+# SmolLM2-135M-Instruct's template (the demo model's): messages only, no tools section.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by "
+    "Hugging Face<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# A minimal template of our own: user and assistant turns only (system and tool turns,
+# tools and calls all dropped).
+BARE_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'user' %}User: {{ m.content }}\n"
+    "{% elif m.role == 'assistant' %}Assistant: {{ m.content }}</s>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def with_chat_template(model_dir: Path, out: Path, template: str) -> Path:
+    """A copy of `model_dir` whose tokenizer has `template` as its chat template."""
+    import json
+
+    shutil.copytree(model_dir, out, dirs_exist_ok=True)
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config))
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_template_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with SmolLM2's chat template, which ignores tools."""
+    out = tmp_path_factory.mktemp("models") / "smollm2-template"
+    return with_chat_template(tiny_model_dir, out, SMOLLM2_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def bare_template_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with a minimal template that has no tool section at all."""
+    out = tmp_path_factory.mktemp("models") / "bare-template"
+    return with_chat_template(tiny_model_dir, out, BARE_TEMPLATE)
+
+
 @pytest.fixture(scope="session")
 def reference(tiny_model_dir):
     """Plain mlx-lm on its own copy of the tiny model: the ground truth."""

@@ -352,7 +352,10 @@ async def test_responses_tool_choice_required_forces_a_function_call(constrained
     assert valid_weather(json.loads(calls[0]["arguments"]))
 
 
-async def test_forcing_a_tool_needs_a_json_in_tags_tool_format(constrained):
+async def test_forcing_a_tool_in_another_tool_format_writes_a_bare_json_call(constrained):
+    """Markup other than JSON in tags (here Mistral's) is not enforced; the forced call
+    is the bare JSON object the server reads back as a call, as for templates that have
+    no tool format at all."""
     async with make_client(constrained, tool_call_parser="mistral") as client:
         response = await client.post(
             "/v1/chat/completions",
@@ -361,11 +364,15 @@ async def test_forcing_a_tool_needs_a_json_in_tags_tool_format(constrained):
                 "messages": [{"role": "user", "content": "Weather?"}],
                 "tools": [WEATHER],
                 "tool_choice": "required",
+                "max_tokens": 64,
+                "temperature": 0,
             },
         )
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "tool_choice"
-    assert "json_tools" in response.json()["error"]["message"]
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert valid_weather(json.loads(call["function"]["arguments"]))
 
 
 class BrokenMatcher:

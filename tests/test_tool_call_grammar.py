@@ -65,12 +65,67 @@ def test_free_text_and_valid_tagged_calls_are_allowed(free_text_or_calls, refere
         ('<tool_call>\n{"name": "get_forecast", "arguments": {}}\n</tool_call>',),
         ('<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>',),  # no city
         ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',),  # unclosed
+        # a key the schema does not name, where it says nothing of others: closed
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "P", "x": 1}}\n</tool_call>',),
         ("Text, then <tool_call>", " and more text"),
         ("Spelled apart: <", "tool", "_call>", "\n{}"),
     ],
 )
 def test_a_tagged_call_must_be_valid_and_closed(free_text_or_calls, reference, pieces):
     assert not accepts(free_text_or_calls, reference.tokenizer, *pieces)
+
+
+@pytest.fixture(scope="module")
+def bare_call(reference):
+    """A forced call for a template without tool markup: the bare JSON object."""
+    return GrammarCompiler(reference.tokenizer).bare_tool_call([WEATHER, TIME])
+
+
+@pytest.mark.parametrize(
+    ("text", "accepted"),
+    [
+        pytest.param(UNTAGGED, True, id="a-call"),
+        pytest.param('{"name": "get_time", "arguments": {}}', True, id="no-arguments"),
+        pytest.param(
+            '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}', True, id="all"
+        ),
+        pytest.param(f"Sure. {UNTAGGED}", False, id="text-before"),
+        pytest.param(f"{UNTAGGED}\n{UNTAGGED}", False, id="two-calls"),
+        pytest.param(GOOD, False, id="tagged"),
+        pytest.param('{"name": "get_forecast", "arguments": {}}', False, id="unknown-tool"),
+        pytest.param('{"name": "get_weather", "arguments": {"city": 1}}', False, id="bad-type"),
+        pytest.param(
+            '{"name": "get_weather", "arguments": {"city": "P", "x": 1}}', False, id="extra-key"
+        ),
+        pytest.param('{"arguments": {}, "name": "get_time"}', False, id="name-not-first"),
+    ],
+)
+def test_a_bare_forced_call_is_one_json_call_and_nothing_else(bare_call, reference, text, accepted):
+    assert accepts(bare_call, reference.tokenizer, text) == accepted
+
+
+def test_a_schema_with_defs_is_enforced_inside_a_call(reference):
+    """pydantic puts nested models in `$defs` and points at them from the schema's root;
+    inside a call, the root is the call's, so the references are rebased."""
+    inner = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    parameters = {
+        "type": "object",
+        "properties": {"place": {"$ref": "#/$defs/Place"}},
+        "required": ["place"],
+        "$defs": {"Place": inner},
+    }
+    compiler = GrammarCompiler(reference.tokenizer)
+    nested = {"name": "forecast", "parameters": parameters}
+    for constraint in (
+        compiler.bare_tool_call([nested]),
+        compiler.bare_tool_call([TIME, nested]),
+        compiler.tool_call([nested], "<tool_call>", "</tool_call>"),
+    ):
+        good = '{"name": "forecast", "arguments": {"place": {"city": "Paris"}}}'
+        tagged = "<tool_call>" in constraint.grammar
+        text = f"<tool_call>\n{good}\n</tool_call>" if tagged else good
+        assert accepts(constraint, reference.tokenizer, text)
+        assert not accepts(constraint, reference.tokenizer, text.replace('"Paris"', "1"))
 
 
 SCRIPTS = {"bad": BAD_ARGUMENTS, "good": GOOD, "untagged": UNTAGGED, "plain": "Just text."}

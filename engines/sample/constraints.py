@@ -110,6 +110,12 @@ class GrammarCompiler:
         rules = [f'start: {self._literal(start)} "\\n" call{self._closing(end)}']
         return self._lark([*rules, f"call: %json {self._calls_schema(functions)}"], free_until)
 
+    def bare_tool_call(self, functions: list[dict], free_until: int | None = None) -> Constraint:
+        """Exactly one call as a bare JSON object, {"name": ..., "arguments": {...}}, to
+        one of `functions`: for templates without tool-call markup, the shape the
+        server reads back as a call (server/untagged_tool_calls.py)."""
+        return self._lark([f"start: %json {self._calls_schema(functions)}"], free_until)
+
     def text_or_tool_calls(
         self, functions: list[dict], start: str, end: str | None, free_until: int | None = None
     ) -> Constraint:
@@ -129,19 +135,23 @@ class GrammarCompiler:
 
     def _calls_schema(self, functions: list[dict]) -> str:
         """One call to one of `functions`, as a JSON schema (json.dumps' layout)."""
+        single = len(functions) == 1
         variants = [
             {
                 "type": "object",
                 "properties": {
                     "name": {"const": function["name"]},
-                    "arguments": function.get("parameters") or {"type": "object"},
+                    "arguments": arguments_schema(
+                        function.get("parameters") or {"type": "object"},
+                        "/properties/arguments" if single else f"/anyOf/{i}/properties/arguments",
+                    ),
                 },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
-            for function in functions
+            for i, function in enumerate(functions)
         ]
-        schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+        schema = variants[0] if single else {"anyOf": variants}
         return json.dumps({**schema, "x-guidance": JSON_STYLE})
 
     def _closing(self, end: str | None) -> str:
@@ -172,6 +182,37 @@ class GrammarCompiler:
         return GrammarProcessor(
             matcher.deep_copy(), vocab, prompt_length, eos, constraint.free_until
         )
+
+
+SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def arguments_schema(schema: Any, base: str, closable: bool = True) -> Any:
+    """A tool's parameters schema as it sits at JSON pointer `base` inside the call's
+    schema: local `$ref`s rebased there (pydantic's `#/$defs/...` would otherwise point
+    at the call's root), and an object that says nothing of other properties closed to
+    the ones it names (`additionalProperties: false`, as vLLM does for guidance): a
+    small model otherwise goes on adding keys until max_tokens. Members of `allOf` stay
+    open, since closing each part would contradict the others."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = f"#{base}{value[1:]}"
+        elif key in SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: arguments_schema(v, base) for k, v in value.items()}
+        elif key in SUBSCHEMA_LISTS and isinstance(value, list):
+            out[key] = [arguments_schema(v, base, key != "allOf") for v in value]
+        elif key in SUBSCHEMA and isinstance(value, dict):
+            out[key] = arguments_schema(value, base)
+        else:
+            out[key] = value
+    if closable and "properties" in out and not {"allOf", "unevaluatedProperties"} & set(out):
+        out.setdefault("additionalProperties", False)
+    return out
 
 
 def regex_literal(text: str) -> str:

@@ -59,6 +59,7 @@ class MessageJob:
     tools: list | None
     starts_in_reasoning: bool
     cache_marked: int = 0  # prompt tokens up to the last cache_control mark (0: none)
+    forced: bool = False  # tool_choice forces a call
 
 
 # --- Request -> engine terms (pure) -------------------------------------------------
@@ -198,10 +199,11 @@ def to_job(request: Request, body: MessagesRequest, model: str) -> MessageJob:
     fmt = (body.output_config.format if body.output_config else None) or body.output_format
     schema = anthropic_output_format(fmt)
     markers = output_markers(request)
+    forced = forced_tool(body)
     constraint = output_constraint(
         schema,
         "output_config.format",
-        forced_tool(body),
+        forced,
         tools,
         markers,
         info,
@@ -213,7 +215,7 @@ def to_job(request: Request, body: MessagesRequest, model: str) -> MessageJob:
     checkpoints = rendered.checkpoints if info.prompt_checkpoints else ()
     gen = replace(gen, constraint=constraint, checkpoints=checkpoints)
     marked = max(rendered.checkpoints, default=0) if caching else 0
-    return MessageJob(gen, model, tools, rendered.starts_in_reasoning, marked)
+    return MessageJob(gen, model, tools, rendered.starts_in_reasoning, marked, forced[0])
 
 
 async def create_message(request: Request) -> Response:
@@ -222,7 +224,9 @@ async def create_message(request: Request) -> Response:
     job = await off_the_loop(to_job, request, body, model)
     note_skipped_tools(request.app.state.metrics, "messages", skipped_tools(body))
     stream = submit(request, job.gen)
-    parser = OutputParser(output_markers(request), job.tools, job.starts_in_reasoning)
+    parser = OutputParser(
+        output_markers(request), job.tools, job.starts_in_reasoning, forced=job.forced
+    )
     if body.stream:
         events = message_events(job, parser, heartbeat_events(request, stream))
         return event_stream(request, events, keepalive=False)

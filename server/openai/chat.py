@@ -57,6 +57,7 @@ class ChatJob:
     tokenizer: Any
     created: int = field(default_factory=lambda: int(time.time()))
     token_sources: bool = False  # tandem_token_sources: tag each token with its source
+    forced: bool = False  # tool_choice forces a call
 
 
 def tool_call_arguments(call: dict, index: int) -> dict:
@@ -152,11 +153,14 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
         rendered.starts_in_reasoning,
         info.tokenizer,
         token_sources=body.tandem_token_sources,
+        forced=forced[0],
     )
 
 
 def new_parser(request: Request, job: ChatJob) -> OutputParser:
-    return OutputParser(output_markers(request), job.tools, job.starts_in_reasoning)
+    return OutputParser(
+        output_markers(request), job.tools, job.starts_in_reasoning, forced=job.forced
+    )
 
 
 def finish_name(event: TokenEvent, parser: OutputParser) -> str | None:

@@ -147,6 +147,7 @@ class ResponsesJob:
     toolset: ToolSet = field(default_factory=ToolSet)  # how calls become output items
     seal: Callable[[str], str] | None = None  # reasoning -> encrypted_content, if asked
     created_at: int = field(default_factory=lambda: int(time.time()))
+    forced: bool = False  # tool_choice forces a call
 
 
 def response_object(
@@ -232,7 +233,16 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
     gen = replace(gen, constraint=constraint, checkpoints=rendered.checkpoints)
     seal = partial(sealer.seal, scope) if ENCRYPTED_CONTENT in (body.include or ()) else None
     return ResponsesJob(
-        gen, model, body, conversation, tools, rendered.starts_in_reasoning, scope, toolset, seal
+        gen,
+        model,
+        body,
+        conversation,
+        tools,
+        rendered.starts_in_reasoning,
+        scope,
+        toolset,
+        seal,
+        forced=forced[0],
     )
 
 
@@ -259,7 +269,9 @@ async def create_response(request: Request) -> Response:
     job = await off_the_loop(to_job, request, body, model)
     note_skipped_tools(request.app.state.metrics, "responses", job.toolset.skipped)
     stream = submit(request, job.gen)
-    parser = OutputParser(output_markers(request), job.tools, job.starts_in_reasoning)
+    parser = OutputParser(
+        output_markers(request), job.tools, job.starts_in_reasoning, forced=job.forced
+    )
     store = store_of(request)
     if body.stream:
         events = response_events(job, parser, heartbeat_events(request, stream), store)

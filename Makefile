@@ -26,8 +26,14 @@ serve: $(BIN)/.installed
 test: $(BIN)/.installed-dev
 	$(PRELOAD) $(BIN)/pytest -q
 
+# lm-eval for tests/test_lm_eval.py (slow tier) only, kept out of '.[dev]': its other
+# extras pull in torch. Its `api` extra (local-completions) needs none; ~20 s to install.
+$(BIN)/.installed-lm-eval: $(BIN)/.installed-dev
+	$(BIN)/pip install -q 'lm-eval[api]==0.4.13'
+	touch $@
+
 # Long tests (marked slow); pytest exits 5 when none are collected.
-test-slow: $(BIN)/.installed-dev
+test-slow: $(BIN)/.installed-dev $(BIN)/.installed-lm-eval
 	$(PRELOAD) $(BIN)/pytest -q -m slow || [ $$? -eq 5 ]
 
 lint: $(BIN)/.installed-dev

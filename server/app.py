@@ -32,6 +32,7 @@ from server.metrics import Metrics
 from server.openai.chat import create_chat_completion
 from server.openai.completions import create_completion
 from server.responses.endpoints import create_response, delete_response, retrieve_response
+from server.tokenizer_endpoints import detokenize, tokenize, tokenizer_info
 from server.ui import ui_routes
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,9 @@ def create_app(config: ServerConfig, scheduler: Scheduler | None = None) -> Star
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/v1/messages", create_message, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),  # vLLM's, at the root
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
         Route("/v1/stats", stats_endpoint, methods=["GET"]),
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]

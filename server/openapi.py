@@ -34,6 +34,7 @@ from server.openapi_models import (
     Completion,
     CompletionChunk,
     Deleted,
+    Detokenized,
     Health,
     Message,
     MessageStreamEvent,
@@ -44,9 +45,12 @@ from server.openapi_models import (
     ResponseStreamEvent,
     Stats,
     TokenCount,
+    Tokenized,
+    TokenizerInfo,
     UiStatus,
 )
 from server.responses.schemas import ResponsesRequest
+from server.tokenizer_endpoints import DetokenizeRequest, TokenizeRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -63,6 +67,7 @@ ERROR_DESCRIPTIONS = {
     504: "Request timed out",
 }
 GENERATION_ERRORS = (400, 401, 404, 413, 429, 503, 504)
+TOKENIZER_ERRORS = (400, 401, 404, 413, 429, 503)  # 503 while the model loads
 READ_ERRORS = (401, 429)
 
 
@@ -155,6 +160,33 @@ ENDPOINTS = (
         response=TokenCount,
         errors=GENERATION_ERRORS,
         error_model=AnthropicError,
+    ),
+    # vLLM's tokenizer routes, at the root as vLLM has them (lm-eval asks for them there).
+    Endpoint(
+        "POST",
+        "/tokenize",
+        "Text or chat messages as the model's token ids",
+        "tokenizer",
+        request=TokenizeRequest,
+        response=Tokenized,
+        errors=TOKENIZER_ERRORS,
+    ),
+    Endpoint(
+        "POST",
+        "/detokenize",
+        "Token ids as text",
+        "tokenizer",
+        request=DetokenizeRequest,
+        response=Detokenized,
+        errors=TOKENIZER_ERRORS,
+    ),
+    Endpoint(
+        "GET",
+        "/tokenizer_info",
+        "The tokenizer's settings and chat template",
+        "tokenizer",
+        response=TokenizerInfo,
+        errors=(*READ_ERRORS, 503),
     ),
     # 503 with Retry-After until the model has loaded, like generation.
     Endpoint(

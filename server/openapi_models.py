@@ -168,6 +168,26 @@ class TokenCount(Open):
     input_tokens: int
 
 
+class Tokenized(Open):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class Detokenized(Open):
+    prompt: str
+
+
+class TokenizerInfo(Open):
+    """vLLM's: the tokenizer's settings, whatever they hold, plus these."""
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    chat_template: str | None = None
+
+
 class ResponseObject(Open):
     id: str
     object: Literal["response"]

@@ -80,14 +80,17 @@ def plain_ids(tokenizer: Any, text: str, special_ids: set[int]) -> list[int]:
     return [i for i in ids if i not in special_ids]
 
 
-def encode_marked(tokenizer: Any, marked: str, escaper: Escaper) -> list[int]:
+def encode_marked(
+    tokenizer: Any, marked: str, escaper: Escaper, add_special_tokens: bool | None = None
+) -> list[int]:
     """Encode rendered text whose untrusted specials are markers. BOS follows mlx-lm's
-    rule (added unless the template's text starts with it)."""
+    rule (added unless the template's text starts with it) unless `add_special_tokens`
+    says otherwise (vLLM's /tokenize option)."""
     pieces = escaper.pattern.split(marked)  # text, index, text, index, ..., text
-    bos = tokenizer.bos_token
-    ids = list(
-        tokenizer.encode(pieces[0], add_special_tokens=bos is None or not marked.startswith(bos))
-    )
+    if add_special_tokens is None:
+        bos = tokenizer.bos_token
+        add_special_tokens = bos is None or not marked.startswith(bos)
+    ids = list(tokenizer.encode(pieces[0], add_special_tokens=add_special_tokens))
     if len(pieces) == 1:
         return ids
     special_ids = set(tokenizer.convert_tokens_to_ids(list(escaper.specials)))

@@ -179,6 +179,7 @@ def _second_and_third(engine, prompt_ids, seeds, drafting: bool, batch: int = 16
     return pairs, drafted
 
 
+@pytest.mark.slow
 def test_sampled_head_rows_match_plain_sampling_distribution(engines, references):
     _, engine = engines["copy"]
     prompt = references["copy"].tokenizer.encode(PROMPTS[0])

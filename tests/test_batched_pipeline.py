@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import mlx.core as mx
+import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from engines.batched.costs import MODEL, BatchCosts
@@ -235,6 +236,7 @@ def test_seeded_rows_in_a_pipeline_draw_their_solo_plain_tokens(tiny_model_dir, 
     assert pipelined > 10
 
 
+@pytest.mark.slow
 def test_sampled_pipelined_rows_match_plain_sampling_distribution(tiny_model_dir, reference):
     """Unseeded rows sampled by queued steps: their first two tokens are distributed
     as single-stream plain sampling's (two-sample chi-square)."""

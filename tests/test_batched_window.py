@@ -149,6 +149,7 @@ def test_windowed_rows_drafting_in_a_batch_each_equal_solo_plain_decoding(window
     assert rejected > 0, "rows rolled back (accepted runs: the 240-token test below)"
 
 
+@pytest.mark.slow
 def test_long_windowed_rows_stay_exact_over_many_slides(windowed):
     """240 tokens per row (15 windows), PLD on output that loops beside a row drafting
     with the draft model (a different random model: mostly rejected)."""

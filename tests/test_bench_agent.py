@@ -63,6 +63,7 @@ def assert_turn_figures(rows: list[dict], side: str) -> None:
     assert second["cached_tokens"] >= first["prompt_tokens"] - 16, (first, second)
 
 
+@pytest.mark.slow
 def test_short_form_against_tandem_reports_each_turn(tmp_path, agent_model):
     result, text, elapsed = run_short(tmp_path, "--peer", "none", timeout=SHORT_S * 2)
     assert elapsed < SHORT_S, f"the short form took {elapsed:.0f}s"

@@ -167,6 +167,7 @@ def peer_run(tiny_model_dir, tiny_draft_dir, reference, tmp_path_factory) -> tup
     return json.loads(output.read_text()), plot
 
 
+@pytest.mark.slow
 def test_peer_rows_are_measured_like_tandems(peer_run, tiny_model_dir, tiny_draft_dir):
     result, _ = peer_run
     peers = result["peers"]
@@ -185,6 +186,7 @@ def test_peer_rows_are_measured_like_tandems(peer_run, tiny_model_dir, tiny_draf
             assert level["total_input_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_both_servers_produced_every_token_so_the_work_is_equal(peer_run):
     result, _ = peer_run
     rows = [result, *result["peers"].values()]
@@ -194,6 +196,7 @@ def test_both_servers_produced_every_token_so_the_work_is_equal(peer_run):
         assert comparison["same_output_tokens"] is True
 
 
+@pytest.mark.slow
 def test_ratios_are_against_the_better_peer_row(peer_run):
     result, _ = peer_run
     assert sorted(result["peer_comparison"]) == ["1", "2"]
@@ -211,6 +214,7 @@ def test_ratios_are_against_the_better_peer_row(peer_run):
         assert cmp["p50_ttft_ratio"] > 0
 
 
+@pytest.mark.slow
 def test_peer_runs_on_the_same_blas_as_tandem(peer_run):
     from engines.platform.blas import computes_on_cpu, find_fast_blas
 
@@ -224,6 +228,7 @@ def test_peer_runs_on_the_same_blas_as_tandem(peer_run):
         assert tandem_blas in ("openblas", "mkl")
 
 
+@pytest.mark.slow
 def test_plot_draws_a_line_per_server(peer_run):
     from bench.plot import with_peers
 

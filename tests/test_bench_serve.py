@@ -214,6 +214,7 @@ def tandem_run(tandem_url, tmp_path_factory) -> tuple[dict, Path, Path]:
     return json.loads(output.read_text()), output, plot
 
 
+@pytest.mark.slow
 def test_tandem_result_has_vllm_keys_and_sane_values(tandem_run):
     result, _, _ = tandem_run
     assert (result["model"], result["endpoint"], result["dataset"]) == ("tiny", "chat", "mixed")
@@ -235,6 +236,7 @@ def test_tandem_result_has_vllm_keys_and_sane_values(tandem_run):
         assert level["total_input_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_tandem_output_tokens_come_from_usage_and_agree_across_levels(tandem_run):
     result, _, _ = tandem_run
     solo, pair = result["levels"]
@@ -246,12 +248,14 @@ def test_tandem_output_tokens_come_from_usage_and_agree_across_levels(tandem_run
     assert solo["total_input_tokens"] == pair["total_input_tokens"]
 
 
+@pytest.mark.slow
 def test_check_greedy_passes_on_tandem(tandem_run):
     result, _, _ = tandem_run
     assert result["greedy_check"] == {"prompts": 4, "checked": 8, "mismatches": 0}
     assert all(level["greedy_mismatches"] == 0 for level in result["levels"])
 
 
+@pytest.mark.slow
 def test_result_states_the_servers_blas(tandem_run):
     from engines.platform.blas import computes_on_cpu, find_fast_blas
 
@@ -265,11 +269,13 @@ def test_result_states_the_servers_blas(tandem_run):
     assert blas != "unknown" or not sys.platform.startswith("linux")
 
 
+@pytest.mark.slow
 def test_plot_option_writes_a_png(tandem_run):
     _, _, plot = tandem_run
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.slow
 def test_completions_poisson_run_and_plot_overlay(tandem_url, tandem_run, tmp_path):
     _, first, _ = tandem_run
     second = tmp_path / "tandem-completions.json"

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -40,6 +42,7 @@ def test_suffix_repeat_drafts_from_the_same_key_only_and_stays_plain(tiny_model_
     assert served["other-key"]["cached_tokens"] == 0  # k1's prefix is not k2's
 
 
+@pytest.mark.slow
 def test_packed_cost_reports_every_chunk_size(tiny_model_dir):
     out = run_bench("bench.packed_cost", str(tiny_model_dir), "--context", "64", "--sizes", "8,16")
     assert "BLAS:" in out and "decode step alone:" in out

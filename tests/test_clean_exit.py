@@ -16,6 +16,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from engines.platform.blas import find_fast_blas
 
 TRIALS = 16
@@ -60,6 +62,7 @@ def run_trial(model_dir: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_engine_thread_processes_exit_zero_without_abort(tiny_model_dir):
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(run_trial, [tiny_model_dir] * TRIALS))

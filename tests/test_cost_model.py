@@ -258,6 +258,7 @@ def test_an_open_gate_that_finds_nothing_worth_drafting_lets_plain_steps_pipelin
     assert pipelined >= 16
 
 
+@pytest.mark.slow
 def test_a_draft_the_startup_measurement_misjudged_still_drafts_and_stays_exact(tiny_loaded):
     """Start-up ran on a disturbed machine: every multi-token forward took six times its
     real cost, so the measured costs say drafting never pays. Served, verifies are cheap

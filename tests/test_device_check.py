@@ -46,6 +46,7 @@ def check_brought_back(out: Path) -> None:
     assert all((out / name).stat().st_size < 16 * 2**20 for name in files)
 
 
+@pytest.mark.slow
 def test_dry_run_measures_every_kind_of_stage_against_mlx_lm(tmp_path):
     started = time.monotonic()
     stages = "models,verify-1b,single-1b,hybrid-draft-1b,tests"

@@ -154,6 +154,7 @@ def test_a_requests_num_draft_tokens_caps_a_confident_proposal(tiny_model_dir, r
     assert len(seq.spec.accepted_per_position) == 3
 
 
+@pytest.mark.slow
 def test_sampled_output_with_confidence_stopping_keeps_plain_distribution(
     tiny_model_dir, perturbed_draft_dir, reference
 ):

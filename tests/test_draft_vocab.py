@@ -255,6 +255,7 @@ def first_two(registry, engine, prompt, seeds, spec: bool) -> list[tuple[int, ..
     return pairs
 
 
+@pytest.mark.slow
 def test_sampling_with_a_reduced_draft_matches_plain_sampling(reduced_engines, reference):
     """q gives the tokens left out probability 0, and the rejection rule stays exact."""
     registry, single, _ = reduced_engines

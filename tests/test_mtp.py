@@ -185,6 +185,7 @@ def test_seeded_sampling_with_the_head_gives_the_plain_seeded_tokens(engines, re
     assert drafted.spec.by_method["mtp"].accepted_tokens > 0
 
 
+@pytest.mark.slow
 def test_sampled_tokens_with_the_head_match_plain_sampling_in_distribution(engines, references):
     """Unseeded requests go through the Leviathan rejection rule with the head's q:
     the first two tokens' distribution is that of plain sampling (two-sample chi^2).

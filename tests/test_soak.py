@@ -77,6 +77,7 @@ def short_report(server) -> dict:
     return run_soak(server, 20)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_short_soak_with_disconnects_leaves_no_requests_behind(server, short_report):
     assert_soak_is_clean(short_report)
@@ -92,6 +93,7 @@ def test_minute_soak_memory_is_flat_after_warm_up(server):
     assert report["verdict"]["passed"], report["verdict"]["reasons"]
 
 
+@pytest.mark.slow
 def test_summary_fits_one_screen_and_states_the_rule(short_report):
     text = format_summary(short_report)
     assert len(text.splitlines()) <= 24

@@ -271,6 +271,7 @@ def first_tokens(
     return pairs
 
 
+@pytest.mark.slow
 def test_sampled_speculative_first_tokens_match_plain_distribution(perturbed_engine, reference):
     prompt_ids = reference.tokenizer.encode(STORY_PROMPT)
     trials = 1500

@@ -112,6 +112,7 @@ def first_tokens(engine, prompt, trials, index, spec: bool) -> list[tuple[int, .
     return pairs
 
 
+@pytest.mark.slow
 def test_sampled_first_tokens_with_suffix_drafts_match_plain_distribution(
     tiny_model_dir, reference
 ):

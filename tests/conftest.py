@@ -108,6 +108,20 @@ def with_chat_template(model_dir: Path, out: Path, template: str) -> Path:
 
 
 @pytest.fixture(scope="session")
+def long_context_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with room for 8192 positions: prompts of several thousand tokens,
+    replies past 4096."""
+    import json
+
+    out = tmp_path_factory.mktemp("models") / "long-context"
+    shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True)
+    config = json.loads((out / "config.json").read_text())
+    config["max_position_embeddings"] = 8192
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2_template_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny model with SmolLM2's chat template, which ignores tools."""
     out = tmp_path_factory.mktemp("models") / "smollm2-template"

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from scheduler import Scheduler
 from server.app import create_app
@@ -25,7 +26,14 @@ def live_server(scheduler: Scheduler, **config_overrides) -> Iterator[str]:
     config = ServerConfig(
         scheduler=scheduler.config, served_model_name=MODEL_NAME, **config_overrides
     )
-    app = create_app(config, scheduler)
+    with serving(create_app(config, scheduler)) as url:
+        yield url
+
+
+@contextmanager
+def serving(app: ASGIApp) -> Iterator[str]:
+    """Any ASGI app under uvicorn in a thread on a free loopback port, until the block
+    ends: its base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, ws="none", log_level="warning"))

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -41,7 +39,8 @@ from bench.stats import (
     summarize,
     time_per_output_token,
 )
-from tests.test_process import BLAS_PRELOAD, env_without, free_port, running_server
+from tests.live_server import serving
+from tests.test_process import BLAS_PRELOAD, env_without, running_server
 
 TANDEM = str(Path(sys.executable).parent / "tandem")
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
@@ -365,20 +364,8 @@ def sse(payload: dict, event: str | None = None) -> str:
 @contextmanager
 def fake_server(fake: Fake) -> Iterator[str]:
     """The fake app under uvicorn in a background thread on a free loopback port."""
-    port = free_port()
-    config = uvicorn.Config(fake_app(fake), host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "fake server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serving(fake_app(fake)) as url:
+        yield url
 
 
 def run_harness(url: str, tmp_path: Path, *extra: str) -> dict:

@@ -7,10 +7,7 @@ own detectors."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-from pathlib import Path
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
 
@@ -23,19 +20,9 @@ from litellm.litellm_core_utils.exception_mapping_utils import ExceptionCheckers
 
 from server.generation import MaxTokens, effective_max_tokens
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
+from tests.live_server import live_server as serving_scheduler
 
 CHAT, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/messages", "/v1/responses"
-
-
-@pytest.fixture(scope="module")
-def long_context_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """The tiny model with room for replies past 4096 tokens."""
-    out = tmp_path_factory.mktemp("models") / "long-output"
-    shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True)
-    config = json.loads((out / "config.json").read_text())
-    config["max_position_embeddings"] = 8192
-    (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 def test_what_a_client_asks_is_served_up_to_the_room_and_an_operator_cap():
@@ -127,32 +114,10 @@ async def test_strict_overflow_names_both_counts_in_each_apis_words(scheduler):
 
 
 @pytest.fixture
-async def live_server(scheduler):
+def live_server(scheduler):
     """The app on a real 127.0.0.1 port, for the clients that open their own sockets."""
-    import socket
-    import threading
-    import time
-
-    import uvicorn
-
-    from server.app import create_app
-    from server.config import ServerConfig
-
-    config = ServerConfig(scheduler=scheduler.config, served_model_name=MODEL_NAME)
-    app = create_app(config, scheduler)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if server.started:
-            break
-        time.sleep(0.025)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serving_scheduler(scheduler) as url:
+        yield url
 
 
 async def test_litellm_and_the_sdks_raise_their_overflow_errors(scheduler, live_server):

@@ -5,12 +5,9 @@ matcher is built in the request's worker thread, never on the engine thread."""
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import llguidance
 import mlx.core as mx
@@ -29,17 +26,6 @@ LONG_PROMPT = 12 * CHUNK + 1  # scored in 12 full chunks (all but the last token
 TEXT = "def add(a, b):\n    return a + b\nThe quick brown fox jumps over the lazy dog.\n"
 GREEDY = SamplingParams(temperature=0.0)
 HOLD_S = 5  # a held matcher build gives up after this, so a regression fails, not hangs
-
-
-@pytest.fixture(scope="module")
-def long_context_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """The tiny model with room for prompts of several thousand tokens."""
-    out = tmp_path_factory.mktemp("models") / "long-context"
-    shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True)
-    config = json.loads((out / "config.json").read_text())
-    config["max_position_embeddings"] = 8192
-    (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 @pytest.fixture(scope="module")

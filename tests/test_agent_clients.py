@@ -256,6 +256,24 @@ def test_claude_code_edits_a_file(tandem, workdir):
     assert all(cached_tokens(line) > 10000 for line in turns[1:]), turns
 
 
+def test_claude_code_recognises_a_prompt_too_long_for_the_context(tiny_model_dir, workdir):
+    """Claude Code's first request (~17k tokens of system prompt and tools) overflows the
+    tiny model's 2048: the refusal is worded as Anthropic's ("prompt is too long: N tokens
+    > M maximum"), so Claude Code reads it as an overflow (its own message with both
+    counts, where it would compact a longer conversation) and not as an API error."""
+    from tests.test_process import env_without, running_server
+
+    args = [str(tiny_model_dir), "--served-model-name", MODEL]
+    with running_server(args, env_without()) as server:
+        folder = project(workdir, "claude-overflow")
+        env = claude_env(workdir / "claude-overflow-home", server.url)
+        result = run_client(claude_command(), folder, env)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "Prompt is too long" in output and "(limit 2048)" in output, output
+    assert "API Error" not in output, output
+
+
 def test_codex_edits_a_file(tandem, workdir):
     folder = project(workdir, "codex")
     since = len(tandem.log_path.read_text())

@@ -8,8 +8,10 @@ position, sliding-window layers stop at their window, recurrent state is a fixed
 per sequence). Rows of one batch share their caches' capacity -- a ragged cache pads
 every row to the longest -- so the running requests together reach
 `rows x bytes_at(longest reach)`, and that is what must fit. A request that does not
-fit waits; one that could never fit, even alone, is refused at submit. The prefix cache
-lives in what the running requests leave: its oldest entries go to make room.
+fit waits; one asking for more tokens than could ever fit, even alone, has its max_tokens
+cut at submit to what fits (a length finish, as the context's room), and only a prompt
+that could never fit is refused. The prefix cache lives in what the running requests
+leave: its oldest entries go to make room.
 
 If the caches the engines actually hold (`measured`) ever pass the budget anyway (the
 budget lowered at run time, or memory the profile does not model), the newest running

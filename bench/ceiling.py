@@ -44,7 +44,7 @@ from bench.serve_dataset import load_prompts
 from engines.cache.ragged_cache import RaggedKVCache, feed_rows
 from engines.drafting.prompt_lookup import PromptLookupDrafter
 from engines.platform.blas import describe_blas
-from engines.state import SpecConfig
+from engines.spec_config import SpecConfig
 
 MAX_DRAFT = 8
 

@@ -275,7 +275,7 @@ def fresh_engine(registry, k: int | None, draft_model=None):
     """A speculative engine as a fresh server builds it: costs measured at start-up;
     with `draft_model`, drafting with that instead of the registry's draft."""
     from engines.single.engine import SpeculativeEngine
-    from engines.state import SpecConfig
+    from engines.spec_config import SpecConfig
 
     served = registry.draft.model if registry.draft else None
     if draft_model is not None:

@@ -31,7 +31,7 @@ from engines.model.mtp import (
 from engines.model.registry import ModelRegistry
 from engines.sample.constraints import GrammarCompiler
 from engines.single.engine import SpeculativeEngine
-from engines.state import SpecConfig
+from engines.spec_config import SpecConfig
 from scheduler.config import SchedulerConfig
 
 log = logging.getLogger(__name__)

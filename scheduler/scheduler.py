@@ -27,7 +27,7 @@ from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, check_token_ids
 from engines.sequence import FinishReason
 from engines.single.engine import SpeculativeEngine
-from engines.state import SpecConfig
+from engines.spec_config import SpecConfig
 from scheduler.admission import Backpressure
 from scheduler.admitting import Admitting
 from scheduler.config import SchedulerConfig

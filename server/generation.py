@@ -1,18 +1,54 @@
-"""Shared translation from OpenAI request fields to a `GenerationRequest`.
+"""The sampling fields every OpenAI-shaped generation request shares (chat, completions,
+Responses), and their translation to a `GenerationRequest`.
 
 Pure functions: they take the parsed request and model facts and return engine
-terms, so each surface's module stays about wire format only.
+terms, so each surface's module stays about wire format only. The fields live here,
+not in `server.openai.schemas`, so that the Responses surface and this module need
+nothing of the OpenAI chat package (which imports this one).
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from server.errors import bad_request, context_exceeded
-from server.openai.schemas import SamplingFields
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by every OpenAI generation endpoint."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: Annotated[float, Field(strict=True, ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(strict=True, gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(strict=True, ge=-1)] | None = None
+    min_p: Annotated[float, Field(strict=True, ge=0.0, le=1.0)] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(strict=True, ge=0.01, le=10.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(strict=True, ge=-100.0, le=100.0)]] | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(strict=True, ge=1)] = 1
+    user: str | None = None
+    ignore_eos: StrictBool = False  # vLLM extension: generate to max_tokens
+    # Speculation overrides (honoured once the speculative engine lands).
+    enable_pld: StrictBool | None = None
+    enable_draft: StrictBool | None = None
+    num_draft_tokens: Annotated[int, Field(strict=True, ge=0, le=64)] | None = None
 
 
 def new_request_id(prefix: str) -> str:

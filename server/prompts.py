@@ -12,7 +12,6 @@ from itertools import takewhile
 from typing import Any
 
 from server.errors import ApiError, bad_request
-from server.openai.schemas import ChatMessage, TextPart
 from server.safe_encoding import Escaper, encode_marked
 from server.tool_prompt import messages_for_template
 
@@ -66,25 +65,6 @@ def fim_prompt_ids(tokenizer: Any, prefix: str, suffix: str) -> list[int]:
         )
     prefix_marker, suffix_marker, middle_marker = markers
     return encode_text(tokenizer, f"{prefix_marker}{prefix}{suffix_marker}{suffix}{middle_marker}")
-
-
-def message_text(message: ChatMessage, index: int) -> str:
-    content = message.content
-    if content is None or isinstance(content, str):
-        return content or ""
-    texts = []
-    for part in content:
-        if isinstance(part, TextPart):
-            texts.append(part.text)
-        elif part.type in MEDIA_PARTS:
-            texts.append(media_placeholder(MEDIA_PARTS[part.type]))
-        else:
-            raise bad_request(
-                f"messages[{index}] has a '{part.type}' content part, which this server does "
-                "not serve",
-                f"messages[{index}].content",
-            )
-    return "".join(texts)
 
 
 # Chat content parts this model cannot take in: read as a placeholder, so that an

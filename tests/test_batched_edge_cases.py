@@ -461,7 +461,7 @@ def arch_engines(tmp_path_factory, tiny_model_dir, perturbed_draft_dir):
     from engines.model.mtp import load_head
     from engines.model.registry import ModelRegistry
     from engines.single.engine import SpeculativeEngine
-    from engines.state import SpecConfig
+    from engines.spec_config import SpecConfig
     from tests.conftest import Reference
     from tests.test_batched_speculation import COST
     from tests.tiny_archs import build_tiny_arch

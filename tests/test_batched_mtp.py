@@ -24,7 +24,7 @@ from engines.request import GenerationRequest, SamplingParams, SpeculationOverri
 from engines.sample.sampling import RandomStream
 from engines.sequence import make_sequence
 from engines.single.engine import SpeculativeEngine
-from engines.state import SpecConfig
+from engines.spec_config import SpecConfig
 from tests.conftest import Reference, make_client, start_scheduler
 from tests.distributions import assert_same_token_distribution
 from tests.test_batched_speculation import (

@@ -17,7 +17,7 @@ from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams
 from engines.sequence import FinishReason, make_sequence
 from engines.single.engine import SpeculativeEngine
-from engines.state import SpecConfig
+from engines.spec_config import SpecConfig
 from tests.distributions import assert_same_token_distribution
 from tests.test_batched_speculation import PROMPTS, greedy_request
 

@@ -28,7 +28,7 @@ from engines.model.registry import LoadedModel, ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from engines.sequence import make_sequence
 from engines.single.engine import SpeculativeEngine
-from engines.state import SpecConfig
+from engines.spec_config import SpecConfig
 from tests.conftest import make_client
 
 

@@ -20,7 +20,7 @@ from engines.platform.cpu_attention import MIN_SCORES, CpuAttention
 from engines.platform.cpu_softmax import NO_MASK, SoftmaxKernel, mlx_softmax
 from engines.sequence import make_sequence
 from engines.single.engine import SpeculativeEngine
-from engines.state import SpecConfig
+from engines.spec_config import SpecConfig
 from tests.test_batched_speculation import COST, greedy_request, make_engines, run_batch
 
 

@@ -9,7 +9,7 @@ import pytest
 from engines.gating.draft_confidence import MEMORY, ConfidenceCalibration, DraftStop
 from engines.gating.measured_costs import CostModel
 from engines.request import SpeculationOverrides
-from engines.state import SpecConfig
+from engines.spec_config import SpecConfig
 from server.cli import build_parser
 from tests.distributions import assert_same_token_distribution
 from tests.test_speculative import STORY_PROMPT, first_tokens, make_engine, run

@@ -27,7 +27,7 @@ from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams
 from engines.sequence import make_sequence
 from engines.single.engine import SpeculativeEngine
-from engines.state import SpecConfig
+from engines.spec_config import SpecConfig
 from scheduler import SchedulerState
 from tests.conftest import Reference, start_scheduler
 from tests.test_batched_speculation import COST, PROMPTS, greedy_request

@@ -29,7 +29,8 @@ from engines.request import GenerationRequest, SamplingParams, SpeculationOverri
 from engines.sample.sampling import RandomStream
 from engines.sequence import make_sequence
 from engines.single.engine import SpeculativeEngine
-from engines.state import SequenceState, SpecConfig
+from engines.spec_config import SpecConfig
+from engines.state import SequenceState
 from tests.conftest import Reference, make_client, start_scheduler
 from tests.distributions import assert_same_token_distribution
 from tests.test_metrics import scrape, value

@@ -17,7 +17,7 @@ from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams
 from engines.sequence import make_sequence
 from engines.single.engine import SpeculativeEngine
-from engines.state import SpecConfig
+from engines.spec_config import SpecConfig
 from tests.forcing import forced_tokens_processor
 
 OLD, NEW = [50, 51], [60, 61, 62]  # a renamed identifier: two tokens became three

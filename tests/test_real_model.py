@@ -46,7 +46,7 @@ def stories_spec_engine():
     from engines.gating.measured_costs import CostModel
     from engines.model.registry import ModelRegistry
     from engines.single.engine import SpeculativeEngine
-    from engines.state import SpecConfig
+    from engines.spec_config import SpecConfig
 
     registry = ModelRegistry.load(str(STORIES), str(SALTY))
     engine = SpeculativeEngine(registry, SpecConfig(num_draft_tokens=4), CostModel.assumed(9))

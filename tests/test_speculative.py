@@ -15,7 +15,7 @@ from engines.request import GenerationRequest, SamplingParams, SpeculationOverri
 from engines.sample.sampling import RandomStream
 from engines.sequence import FinishReason, make_sequence
 from engines.single.engine import SpeculativeEngine
-from engines.state import SpecConfig
+from engines.spec_config import SpecConfig
 from tests.distributions import assert_same_token_distribution
 
 COST = CostModel.assumed(9)

@@ -18,7 +18,7 @@ from engines.request import GenerationRequest, SamplingParams, SpeculationOverri
 from engines.sample.sampling import RandomStream
 from engines.sequence import make_sequence
 from engines.single.engine import SpeculativeEngine
-from engines.state import SpecConfig
+from engines.spec_config import SpecConfig
 from engines.telemetry import SpecStats
 from scheduler.suffix_store import PROMPT_TAIL, SuffixStore
 from tests.conftest import make_client, start_scheduler

@@ -64,7 +64,7 @@ from engines.model.registry import ModelRegistry
 from engines.prefill_pacing import PrefillPacer
 from engines.sequence import StepOutput
 from engines.single.engine import SpeculativeEngine
-from engines.state import SpecConfig
+from engines.spec_config import SpecConfig
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ from engines.drafting.prompt_lookup import PromptLookupDrafter
 from engines.faults import check
 from engines.interface import StepResult, starting_state
 from engines.sequence import FinishReason, Sequence, StepOutput
-from engines.state import SequenceState, SpecConfig
+from engines.spec_config import SpecConfig
+from engines.state import SequenceState
 
 if TYPE_CHECKING:
     from engines.batched.mtp import BatchedMTP

@@ -27,7 +27,6 @@ from mlx_lm.models.cache import (
 
 from engines.cache.ragged_cache import RaggedKVCache, is_sliding_window
 from engines.cache.ragged_recurrent import RaggedArraysCache, finish_rows, is_recurrent
-from engines.distributed.lockstep import CacheHandle
 
 
 class RollbackError(RuntimeError):
@@ -260,8 +259,7 @@ def supports_rollback(model: Any) -> bool:
     (`RaggedKVCache`, see `ragged_cache.trimmable_windows`), or a sharded model's
     `CacheHandle`."""
     return all(
-        type(layer) is KVCache or isinstance(layer, (CacheHandle, RaggedKVCache))
-        for layer in make_prompt_cache(model)
+        plain_kv(layer) or isinstance(layer, RaggedKVCache) for layer in make_prompt_cache(model)
     )
 
 
@@ -270,9 +268,15 @@ def cuts_back_anywhere(model: Any) -> bool:
     a finished request's cache then serves any prompt that shares a prefix with it,
     so prompt checkpoints are not needed."""
     return all(
-        type(layer) in (KVCache, QuantizedKVCache) or isinstance(layer, CacheHandle)
-        for layer in make_prompt_cache(model)
+        plain_kv(layer) or type(layer) is QuantizedKVCache for layer in make_prompt_cache(model)
     )
+
+
+def plain_kv(layer: Any) -> bool:
+    """A plain `KVCache`, or a subclass that says it behaves as one (`plain_kv = True`:
+    a sharded model's `CacheHandle`, which only names the cache to the other ranks).
+    Other subclasses (mlx-lm's chunked and rotating caches) trim differently."""
+    return type(layer) is KVCache or getattr(type(layer), "plain_kv", False) is True
 
 
 def supports_batched_rows(model: Any) -> bool:

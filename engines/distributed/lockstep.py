@@ -68,6 +68,8 @@ class CacheHandle(KVCache):
     followers. Copies get a new name and tell the followers to copy theirs; a handle
     that is collected tells them to drop theirs."""
 
+    plain_kv = True  # trims and cuts back as a KVCache (engines.cache.rollback.plain_kv)
+
     def __init__(self, channel: _Channel) -> None:
         super().__init__()
         self._channel = channel

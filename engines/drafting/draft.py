@@ -44,6 +44,17 @@ class Draft:
         return DRAFT if self.method == MTP else self.method
 
 
+class DraftStopRule(Protocol):
+    """Where an unsure model draft ends (`engines.gating.draft_confidence.DraftStop`,
+    which the gates own): named here so the drafters never import the gating package."""
+
+    confidences: list[float]
+
+    def add(self, confidence: float) -> bool: ...
+
+    def best_length(self) -> int: ...
+
+
 class Drafter(Protocol):
     """A lookup drafter of one request: up to k tokens that may follow `context`, or None."""
 
@@ -67,5 +78,5 @@ class ModelDrafter(Protocol):
         rng: RandomStream,
         processors: list | None = None,
         position: int = 0,
-        stop: Any = None,
+        stop: DraftStopRule | None = None,
     ) -> Draft | None: ...

@@ -11,19 +11,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from engines.cache.rollback import CacheSnapshot, can_trim, roll_back, take_snapshot, trim_exact
-from engines.drafting.draft import DRAFT, Draft
+from engines.drafting.draft import DRAFT, Draft, DraftStopRule
 from engines.drafting.draft_vocab import OwnTokens, bind_own
 from engines.request import SamplingParams, common_prefix
 from engines.sample.sampling import RandomStream, filter_logprobs
-
-if TYPE_CHECKING:
-    from engines.gating.draft_confidence import DraftStop
 
 
 @dataclass
@@ -69,7 +66,7 @@ class DraftModelDrafter:
         rng: RandomStream,
         processors: list | None = None,
         position: int = 0,
-        stop: DraftStop | None = None,
+        stop: DraftStopRule | None = None,
     ) -> Draft | None:
         """Up to k draft tokens after `context`; `position` is the output position of
         the first (a seeded request's draws are keyed by it). With `stop`, each token's
@@ -143,7 +140,7 @@ def chain_drafts(
     processors: list | None,
     context: list[int],
     position: int,
-    stop: DraftStop | None,
+    stop: DraftStopRule | None,
 ) -> tuple[Draft, list[int]]:
     """Up to k tokens drafted one after another from (1, V) `logits`, `advance(token)`
     giving the logits after each; returns the draft (cut to `stop`'s best length, at

@@ -17,19 +17,15 @@ from the prefix cache, steps taken while batched) just start a fresh head cache.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from engines.cache.rollback import trim_exact
-from engines.drafting.draft import MTP, Draft
+from engines.drafting.draft import MTP, Draft, DraftStopRule
 from engines.drafting.draft_model import chain_drafts
 from engines.model.mtp import MTPHead, TargetParts
 from engines.request import SamplingParams
 from engines.sample.sampling import RandomStream
-
-if TYPE_CHECKING:
-    from engines.gating.draft_confidence import DraftStop
 
 MAX_PENDING = 4096  # hidden states kept for a closed gate; older ones are dropped
 
@@ -111,7 +107,7 @@ class MTPDrafter:
         rng: RandomStream,
         processors: list | None = None,
         position: int = 0,
-        stop: DraftStop | None = None,
+        stop: DraftStopRule | None = None,
     ) -> Draft | None:
         """Up to k drafts after `context` (whose last token's pair must be the newest
         fed or pending); the same contract as `DraftModelDrafter.propose`."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from engines.drafting.draft import DRAFT, LOOKUPS, PLD, SUFFIX
 from engines.gating.gates import MethodGate, prompt_repetition_score
 from engines.sequence import Sequence
-from engines.state import SpecConfig
+from engines.spec_config import SpecConfig
 from engines.telemetry import SpecStats
 
 

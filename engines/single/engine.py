@@ -53,7 +53,8 @@ from engines.sample.verify import accept_sampled_draft, processed_logits
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.single.active import Active
 from engines.single.policy import SingleStreamPolicy
-from engines.state import SequenceState, SpecConfig
+from engines.spec_config import SpecConfig
+from engines.state import SequenceState
 from engines.telemetry import SpecStats
 
 log = logging.getLogger(__name__)

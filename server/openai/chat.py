@@ -34,9 +34,9 @@ from server.http import (
 )
 from server.json_body import PiecewiseJSONResponse
 from server.openai.logprobs import chat_logprobs, merge
-from server.openai.schemas import ChatCompletionRequest, ChatMessage
+from server.openai.schemas import ChatCompletionRequest, ChatMessage, TextPart
 from server.output_parser import OutputParser, ParsedDelta, ToolCall
-from server.prompts import message_text, render_chat
+from server.prompts import MEDIA_PARTS, media_placeholder, render_chat
 from server.sse import DONE, sse_data
 from server.structured import (
     chat_response_format,
@@ -58,6 +58,26 @@ class ChatJob:
     created: int = field(default_factory=lambda: int(time.time()))
     token_sources: bool = False  # tandem_token_sources: tag each token with its source
     forced: bool = False  # tool_choice forces a call
+
+
+def message_text(message: ChatMessage, index: int) -> str:
+    """A message's content as text: text parts joined, media parts as placeholders."""
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if isinstance(part, TextPart):
+            texts.append(part.text)
+        elif part.type in MEDIA_PARTS:
+            texts.append(media_placeholder(MEDIA_PARTS[part.type]))
+        else:
+            raise bad_request(
+                f"messages[{index}] has a '{part.type}' content part, which this server does "
+                "not serve",
+                f"messages[{index}].content",
+            )
+    return "".join(texts)
 
 
 def tool_call_arguments(call: dict, index: int) -> dict:

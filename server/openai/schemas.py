@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+
+from server.generation import SamplingFields
 
 TokenId = Annotated[int, Field(strict=True, ge=0)]
 
@@ -17,38 +19,6 @@ TokenId = Annotated[int, Field(strict=True, ge=0)]
 MetadataKey = Annotated[StrictStr, Field(max_length=64)]
 MetadataValue = Annotated[StrictStr, Field(max_length=512)]
 OpenAIMetadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: StrictBool = False
-
-
-class SamplingFields(BaseModel):
-    """Fields shared by every OpenAI generation endpoint."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    temperature: Annotated[float, Field(strict=True, ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(strict=True, gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(strict=True, ge=-1)] | None = None
-    min_p: Annotated[float, Field(strict=True, ge=0.0, le=1.0)] | None = None
-    seed: StrictInt | None = None
-    presence_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Field(strict=True, ge=0.01, le=10.0)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(strict=True, ge=-100.0, le=100.0)]] | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(strict=True, ge=1)] = 1
-    user: str | None = None
-    ignore_eos: StrictBool = False  # vLLM extension: generate to max_tokens
-    # Speculation overrides (honoured once the speculative engine lands).
-    enable_pld: StrictBool | None = None
-    enable_draft: StrictBool | None = None
-    num_draft_tokens: Annotated[int, Field(strict=True, ge=0, le=64)] | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag
 
-from server.openai.schemas import FunctionSpec, OpenAIMetadata, SamplingFields
+from server.generation import SamplingFields
+from server.openai.schemas import FunctionSpec, OpenAIMetadata
 
 
 def _type_of(value: Any) -> Any:

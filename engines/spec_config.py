@@ -27,6 +27,12 @@ class SpecConfig:
     prompt_gate_threshold: float = 0.05  # prompt repetition score below which PLD starts closed
     prefill_step_size: int = 2048
 
+    @property
+    def draft_cap(self) -> int:
+        """The longest draft of the model drafter (a request may ask for less): the
+        server's --num-draft-tokens where it asks for more than `max_draft_tokens`."""
+        return max(self.num_draft_tokens, self.max_draft_tokens)
+
     @classmethod
     def for_server(cls, num_draft_tokens: int | None, **settings) -> SpecConfig:
         """Settings from a server's --num-draft-tokens: a number is the user's cap on

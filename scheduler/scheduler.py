@@ -403,8 +403,9 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
 
     @property
     def max_draft_tokens(self) -> int:
-        """The largest draft length a request can get (overrides are clamped to it)."""
-        return max(self.config.num_draft_tokens or 0, SpecConfig.max_draft_tokens)
+        """The largest draft length a request can get (overrides are clamped to it): the
+        cap of the settings the model is loaded with, known before it has loaded."""
+        return SpecConfig.for_server(self.config.num_draft_tokens).draft_cap
 
     # ---- commands and the request table -------------------------------------------------
 

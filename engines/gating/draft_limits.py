@@ -22,7 +22,7 @@ class DraftLimits:
     @property
     def k_cap(self) -> int:
         """The longest draft of the model drafter (a request may ask for less)."""
-        return max(self.config.num_draft_tokens, self.config.max_draft_tokens)
+        return self.config.draft_cap
 
     @property
     def pld_cap(self) -> int:

@@ -23,6 +23,22 @@ TWO_CALLS = (
     '</tool_call><tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
 )
 THINKING = "<think>The user wants a greeting.</think>Hello there!"
+# The parameters of the two tools those scripts call (get_weather, get_time).
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME_SCHEMA = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
 SCRIPTS = {"tool": TOOL_CALL, "two": TWO_CALLS, "think": THINKING, "plain": "Just text."}
 
 

@@ -21,6 +21,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from tests.conftest import MODEL_NAME, start_scheduler
+from tests.forcing import TIME_SCHEMA
 from tests.live_server import live_server
 
 
@@ -39,17 +40,7 @@ CHAT_TOOL = {
     "type": "function",
     "function": {"name": "forecast", "description": Forecast.__doc__, "parameters": SCHEMA},
 }
-OTHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-        },
-    },
-}
+OTHER_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": TIME_SCHEMA}}
 
 
 @pytest.fixture(scope="module", params=["smollm2", "bare"])

@@ -110,16 +110,22 @@ def tokens_of(events) -> list[int]:
     return [t for event in events for t in event.token_ids]
 
 
-async def test_a_failing_request_fails_alone_and_the_others_finish_exactly(served, point):
-    kind, scheduler, reference = served
-    encode = reference.tokenizer.encode
-    prompts = [encode(PROMPTS[0]), encode(PROMPTS[1])]
+async def two_decoding(scheduler, reference, tag: str) -> tuple[list[list[int]], list]:
+    """Two greedy requests running (batched) before the one that fails joins them."""
+    prompts = [reference.tokenizer.encode(PROMPTS[0]), reference.tokenizer.encode(PROMPTS[1])]
     others = [
-        scheduler.submit(greedy_request(f"{point}-other{i}", p, OTHERS))
+        scheduler.submit(greedy_request(f"{tag}-other{i}", p, OTHERS))
         for i, p in enumerate(prompts)
     ]
     for stream in others:
         await until_buffered(stream, 2)  # both running, batched
+    return prompts, others
+
+
+async def test_a_failing_request_fails_alone_and_the_others_finish_exactly(served, point):
+    kind, scheduler, reference = served
+    encode = reference.tokenizer.encode
+    prompts, others = await two_decoding(scheduler, reference, point)
     marker = "FAULT" if point == "commit" else f"FAULT@{point}"
     bad_prompt = encode(f"{marker}: the request that fails, {PROMPTS[2]}")
     # a logits processor keeps the batch's steps unpipelined: each is a verify
@@ -141,13 +147,7 @@ async def test_a_request_whose_drafter_fails_goes_on_without_it_and_every_row_is
 ):
     kind, scheduler, reference = served
     encode = reference.tokenizer.encode
-    prompts = [encode(PROMPTS[0]), encode(PROMPTS[1])]
-    others = [
-        scheduler.submit(greedy_request(f"{draft_point}-other{i}", p, OTHERS))
-        for i, p in enumerate(prompts)
-    ]
-    for stream in others:
-        await until_buffered(stream, 2)  # both running, batched
+    prompts, others = await two_decoding(scheduler, reference, draft_point)
     bad_prompt = encode(f"FAULT@{draft_point}: a request whose drafter fails, {PROMPTS[2]}")
     # a logits processor keeps the batch's steps unpipelined (each a verify) and makes
     # the row draft with its own processors

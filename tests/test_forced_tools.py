@@ -18,23 +18,8 @@ from server.prompts import render_chat
 from server.structured import forced_tool_constraint
 from server.tool_prompt import TemplateTraits, history_as_text, template_traits
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
-from tests.forcing import forcing_factory
+from tests.forcing import TIME_SCHEMA, WEATHER_SCHEMA, forcing_factory
 
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Oslo"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TIME_SCHEMA = {
-    "type": "object",
-    "properties": {"zone": {"enum": ["UTC", "CET"]}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
 SCHEMAS = {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}
 DESCRIPTION = "Weather forecast for a city"
 TOOLS = [

@@ -19,6 +19,7 @@ from engines.errors import InvalidRequest, RequestFailed
 from engines.request import GenerationRequest, SamplingParams
 from engines.sample.constraints import GrammarCompiler
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
+from tests.forcing import TIME_SCHEMA, WEATHER_SCHEMA
 
 SCHEMA = {
     "type": "object",
@@ -262,29 +263,10 @@ WEATHER = {
     "function": {
         "name": "get_weather",
         "description": "Weather forecast",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"enum": ["Paris", "Oslo"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
+        "parameters": WEATHER_SCHEMA,
     },
 }
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": TIME_SCHEMA}}
 
 
 def valid_weather(arguments: dict) -> bool:

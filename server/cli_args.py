@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from server.config import DEFAULT_MAX_TOKENS
+
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """Which model is served, and the dtype its imported weights get."""
@@ -236,7 +238,7 @@ def add_request_limit_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--default-max-tokens",
         type=int,
-        default=32768,
+        default=DEFAULT_MAX_TOKENS,
         metavar="N",
         help="tokens a reply may generate when the request names no limit (Codex sends "
         "none), cut to the context's room",

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from scheduler.config import SchedulerConfig
 
+# Tokens a reply may generate when the request names no limit (--default-max-tokens):
+# above any one agent turn (Claude Code asks 32000 itself), cut to the context's room.
+DEFAULT_MAX_TOKENS = 32768
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -17,7 +21,7 @@ class ServerConfig:
     # The operator's cap on tokens one reply generates; None: only the context's room
     # (and the KV budget) bound what a client asks for.
     max_tokens: int | None = None
-    default_max_tokens: int = 32768  # for requests that name no limit
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # for requests that name no limit
     # Refuse max_tokens above the cap or the context's room (400) instead of cutting it.
     strict_max_tokens: bool = False
     stream_keepalive: float = 10.0  # seconds a stream may stay silent before a keep-alive

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
+from server.config import DEFAULT_MAX_TOKENS
 from server.errors import bad_request, context_exceeded
 
 
@@ -121,7 +122,7 @@ class MaxTokens:
     """The server's limits on one reply's length (from `ServerConfig`)."""
 
     cap: int | None = None  # --max-tokens: the operator's cap; None = none
-    default: int = 32768  # --default-max-tokens: for a request that names no limit
+    default: int = DEFAULT_MAX_TOKENS  # --default-max-tokens: for a request naming none
     strict: bool = False  # --strict-max-tokens: refuse beyond the cap or room
 
     @classmethod

@@ -107,6 +107,7 @@ def render_chat(
     think_start: str | None = None,
     param: str = "messages",
     checkpoint_system: bool = False,
+    generation_prompt: bool = True,
 ) -> RenderedChat:
     """Render normalised messages ({"role", "content", "tool_calls"?, ...}, with tool
     call arguments as objects) through the model's chat template and encode them.
@@ -125,12 +126,14 @@ def render_chat(
         )
     escaper = Escaper.for_tokenizer(tokenizer)
     try:
-        marked = apply_template(tokenizer, escaper, messages, tools)
+        marked = apply_template(tokenizer, escaper, messages, tools, generation_prompt)
     except Exception as exc:  # noqa: BLE001 - templates raise arbitrary errors on bad input
         folded = fold_late_system_turns(messages)
         if folded == messages:
             raise bad_request(f"the chat template rejected these messages: {exc}", param) from exc
-        return render_chat(tokenizer, folded, tools, think_start, param, checkpoint_system)
+        return render_chat(
+            tokenizer, folded, tools, think_start, param, checkpoint_system, generation_prompt
+        )
     text = escaper.unescape(marked)
     starts_in_reasoning = bool(think_start) and text.rstrip().endswith(think_start)
     ids = encode_marked(tokenizer, marked, escaper)

@@ -23,10 +23,8 @@ from server.http import check_model, config_of, model_info_of, off_the_loop, par
 from server.openai.chat import normalize_messages
 from server.openai.schemas import ChatMessage, TokenId, ToolSpec
 from server.prompts import (
-    apply_template,
     check_token_ids,
     encode_text,
-    fold_late_system_turns,
     render_chat,
 )
 from server.safe_encoding import encode_marked
@@ -92,27 +90,17 @@ def prompt_ids(tokenizer: Any, prompt: str, add_special_tokens: bool | None) -> 
 
 
 def chat_ids(tokenizer: Any, body: TokenizeRequest) -> list[int]:
-    """The messages through the model's chat template. With the generation prompt and
-    no `add_special_tokens`, exactly the prompt /v1/chat/completions prefills."""
+    """The messages through the model's chat template (with the chat endpoint's fallback
+    for late system turns). With the generation prompt and no `add_special_tokens`,
+    exactly the prompt /v1/chat/completions prefills."""
     messages = normalize_messages(body.messages or [])
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    rendered = render_chat(tokenizer, messages, tools)  # 400 without a template
-    escaper = rendered.escaper
-    if body.add_generation_prompt:
-        if body.add_special_tokens is None:
-            return rendered.ids
-        return encode_marked(tokenizer, rendered.marked, escaper, body.add_special_tokens)
-    try:
-        marked = apply_template(tokenizer, escaper, messages, tools, generation_prompt=False)
-    except Exception:  # noqa: BLE001 - templates raise arbitrary errors on bad input
-        try:  # the chat endpoint's fallback: late system turns folded into user turns
-            folded = fold_late_system_turns(messages)
-            marked = apply_template(tokenizer, escaper, folded, tools, generation_prompt=False)
-        except Exception as exc:  # noqa: BLE001
-            raise bad_request(
-                f"the chat template rejected these messages: {exc}", "messages"
-            ) from exc
-    return encode_marked(tokenizer, marked, escaper, body.add_special_tokens)
+    rendered = render_chat(  # 400 without a template, or when it refuses the messages
+        tokenizer, messages, tools, generation_prompt=body.add_generation_prompt
+    )
+    if body.add_special_tokens is None:
+        return rendered.ids
+    return encode_marked(tokenizer, rendered.marked, rendered.escaper, body.add_special_tokens)
 
 
 def tokenized(tokenizer: Any, body: TokenizeRequest, context: int | None) -> JSONResponse:

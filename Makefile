@@ -16,8 +16,11 @@ $(BIN)/.installed: pyproject.toml setup.py engines/platform/cpu_softmax.c
 	touch $@
 
 # The tests' extras on top (`make test`, lint): clients, SDKs, agents, Playwright.
+# mlx-vlm without its dependencies (transformers 5, datasets, opencv, mlx-audio): the
+# tests compare Tandem's drafter modules with its forwards on the same weights.
 $(BIN)/.installed-dev: $(BIN)/.installed
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps 'mlx-vlm==0.7.10'
 	touch $@
 
 serve: $(BIN)/.installed

@@ -100,7 +100,7 @@ class EnginePair:
         config = self.config
         if self.rows_roll_back:
             engine = BatchedSpeculativeEngine(
-                self.registry, self.spec, config.batch_prefill_step_size
+                self.registry, self.spec.speculation, config.batch_prefill_step_size
             )
             engine.checkpoint_prompts = self.checkpoint_prompts
             return engine

@@ -20,6 +20,7 @@ from engines.cache.rollback import (
     supports_snapshot,
 )
 from engines.drafting.draft_vocab import reduce_draft_vocab
+from engines.drafting.feature_drafters import drafter_kind, load_feature_drafter
 from engines.gating.measured_costs import CostModel
 from engines.model.mtp import (
     MTPUnavailable,
@@ -71,9 +72,16 @@ def load_model(config: SchedulerConfig) -> Loaded:
     model; warm the models up so the batched engine starts without a first-use stall.
     Runs on the engine thread (MLX streams are thread-local)."""
     log.info("loading model %s", config.model)
+    kind = drafter_kind(config.draft_model, config.draft_kind) if config.draft_model else None
     registry = ModelRegistry.load(
-        config.model, config.draft_model, config.gguf_dtype, config.distributed
+        config.model,
+        config.draft_model if kind == "model" else None,
+        config.gguf_dtype,
+        config.distributed,
     )
+    if kind not in (None, "model"):
+        registry.feature_drafter = load_feature_drafter(config.draft_model, kind, registry.target)
+        log.info("drafter: %s", registry.feature_drafter.describe())
     if registry.draft is not None:
         registry.draft.model = reduce_draft_vocab(
             registry.draft.model, registry.tokenizer, config.draft_vocab
@@ -90,6 +98,7 @@ def load_model(config: SchedulerConfig) -> Loaded:
             "and every request is served by plain continuous batching"
         )
         registry.draft = None  # never used: no request may draft on this model
+        registry.feature_drafter = None
     elif not rows_roll_back:
         log.info(
             "recurrent or sliding-window caches: a rejected draft rolls back by restoring "
@@ -123,7 +132,9 @@ def load_model(config: SchedulerConfig) -> Loaded:
         path=config.model,
         tokenizer=registry.tokenizer,
         context_length=registry.target.context_length,
-        has_draft=registry.draft is not None or registry.mtp is not None,
+        has_draft=any(
+            d is not None for d in (registry.draft, registry.mtp, registry.feature_drafter)
+        ),
         grammar=GrammarCompiler(registry.tokenizer),
         vocab_size=min(len(registry.tokenizer), registry.target.vocab_size),
         prompt_checkpoints=not cuts_back_anywhere(target),
@@ -141,12 +152,13 @@ def attach_mtp(registry: ModelRegistry, config: SchedulerConfig) -> None:
     declared = mtp_layers_in_config(target.config) > 0
     if not (declared or config.mtp_weights):
         return
-    if not config.mtp or registry.draft is not None or config.distributed:
+    drafter = registry.draft or registry.feature_drafter
+    if not config.mtp or drafter is not None or config.distributed:
         reason = (
             "--no-mtp"
             if not config.mtp
             else "--draft-model drafts instead"
-            if registry.draft is not None
+            if drafter is not None
             else "not with --distributed"
         )
         log.info("MTP head: not used (%s)", reason)

@@ -45,7 +45,14 @@ def add_speculation_flags(parser: argparse.ArgumentParser) -> None:
     the API key's earlier requests (suffix decoding)."""
     parser.add_argument(
         "--draft-model",
-        help="draft model (path, .gguf, hub id or packaged name) for speculation",
+        help="draft model (path, .gguf, hub id or packaged name) for speculation, or a "
+        "drafter fed the target's hidden states (a DFlash folder: its config.json says so)",
+    )
+    parser.add_argument(
+        "--draft-kind",
+        choices=("auto", "model", "dflash"),
+        default="auto",
+        help="what --draft-model is (default: read from its config.json)",
     )
     parser.add_argument(
         "--num-draft-tokens",

@@ -120,6 +120,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         scheduler=SchedulerConfig(
             model=model_path,
             draft_model=args.draft_model,
+            draft_kind=args.draft_kind,
             num_draft_tokens=args.num_draft_tokens,
             draft_vocab=args.draft_vocab,
             enable_pld=not args.no_pld,

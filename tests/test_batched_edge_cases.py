@@ -478,7 +478,7 @@ def arch_engines(tmp_path_factory, tiny_model_dir, perturbed_draft_dir):
             registry = ModelRegistry.load(str(path))
             registry.mtp = load_head(registry.target.model, registry.target.config, path)
             single = SpeculativeEngine(registry, SpecConfig(), cost=COST)
-            batched = BatchedSpeculativeEngine(registry, single, prefill_step_size=64)
+            batched = BatchedSpeculativeEngine(registry, single.speculation, prefill_step_size=64)
             registry.transfer(batched.name)
         else:
             path = build_tiny_arch(spec["kind"], root, tiny_model_dir)

@@ -68,7 +68,7 @@ def engines(checkpoints):
         registry = ModelRegistry.load(str(path))
         registry.mtp = load_head(registry.target.model, registry.target.config, path)
         spec = SpeculativeEngine(registry, SpecConfig(), cost=COST)
-        batched = BatchedSpeculativeEngine(registry, spec, prefill_step_size=64)
+        batched = BatchedSpeculativeEngine(registry, spec.speculation, prefill_step_size=64)
         registry.transfer(batched.name)
         built[name] = (spec, batched)
     return built

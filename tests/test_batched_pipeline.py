@@ -30,7 +30,7 @@ def plain_engines(model_dir, **config):
     config = {"num_draft_tokens": 0, "enable_pld": False, **config}
     registry = ModelRegistry.load(str(model_dir))
     spec = SpeculativeEngine(registry, SpecConfig(**config), cost=COST)
-    batched = BatchedSpeculativeEngine(registry, spec, prefill_step_size=64)
+    batched = BatchedSpeculativeEngine(registry, spec.speculation, prefill_step_size=64)
     registry.transfer(batched.name)
     return spec, batched
 
@@ -291,7 +291,7 @@ def test_a_plain_probe_among_drafting_steps_is_one_step_not_a_pipeline(tiny_mode
     registry = ModelRegistry.load(str(tiny_model_dir), str(tiny_model_dir))
     spec = SpeculativeEngine(registry, SpecConfig(enable_pld=False), cost=COST)
     costs = BatchCosts(COST, learn=True, plain_every=8)
-    engine = BatchedSpeculativeEngine(registry, spec, prefill_step_size=64, costs=costs)
+    engine = BatchedSpeculativeEngine(registry, spec.speculation, prefill_step_size=64, costs=costs)
     registry.transfer(engine.name)
     prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:2]]
     requests = [greedy_request(f"r{i}", p, 60) for i, p in enumerate(prompts)]
@@ -325,7 +325,7 @@ def test_a_drafting_step_is_timed_from_the_previous_step_s_return(tiny_model_dir
     registry = ModelRegistry.load(str(tiny_model_dir), str(tiny_model_dir))
     spec = SpeculativeEngine(registry, SpecConfig(enable_pld=False), cost=COST)
     costs = BatchCosts(COST, learn=True)
-    engine = BatchedSpeculativeEngine(registry, spec, prefill_step_size=64, costs=costs)
+    engine = BatchedSpeculativeEngine(registry, spec.speculation, prefill_step_size=64, costs=costs)
     registry.transfer(engine.name)
     prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:2]]
     # long enough for several drafting steps after the first forwards are measured

@@ -45,7 +45,7 @@ def make_engines(target_dir, draft_dir=None, **config):
     costs and gates with) on one registry, with the batched engine owning the model."""
     registry = ModelRegistry.load(str(target_dir), str(draft_dir) if draft_dir else None)
     spec = SpeculativeEngine(registry, SpecConfig(**config), cost=COST)
-    batched = BatchedSpeculativeEngine(registry, spec, prefill_step_size=64)
+    batched = BatchedSpeculativeEngine(registry, spec.speculation, prefill_step_size=64)
     registry.transfer(batched.name)
     return spec, batched
 
@@ -343,7 +343,7 @@ def test_the_batch_checks_its_predictions_against_what_steps_commit(tiny_model_d
     registry = ModelRegistry.load(str(tiny_model_dir))
     spec = SpeculativeEngine(registry, SpecConfig(), cost=COST)
     costs = BatchCosts(COST)
-    engine = BatchedSpeculativeEngine(registry, spec, prefill_step_size=64, costs=costs)
+    engine = BatchedSpeculativeEngine(registry, spec.speculation, prefill_step_size=64, costs=costs)
     registry.transfer(engine.name)
     tokenizer = reference.tokenizer
     bias = repetitive_bias(tokenizer)

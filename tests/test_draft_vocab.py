@@ -184,7 +184,7 @@ def reduced_engines(tiny_model_dir, perturbed_draft_dir):
 
     registry = reduced_registry(tiny_model_dir, perturbed_draft_dir)
     single = SpeculativeEngine(registry, SpecConfig(), cost=COST)
-    batched = BatchedSpeculativeEngine(registry, single, prefill_step_size=64)
+    batched = BatchedSpeculativeEngine(registry, single.speculation, prefill_step_size=64)
     return registry, single, batched
 
 

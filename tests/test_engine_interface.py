@@ -25,7 +25,7 @@ def engines(tiny_model_dir):
     spec = SpeculativeEngine(registry, SpecConfig(), cost=CostModel.assumed(9))
     return {
         "speculative": spec,
-        "batched": BatchedSpeculativeEngine(registry, spec, prefill_step_size=64),
+        "batched": BatchedSpeculativeEngine(registry, spec.speculation, prefill_step_size=64),
         "fallback": BatchedEngine(registry),
     }
 

@@ -77,7 +77,7 @@ def drafting_engine(request, tmp_path_factory, tiny_model_dir, perturbed_draft_d
     if kind == "mtp":
         registry.mtp = load_head(registry.target.model, registry.target.config, target)
     spec = SpeculativeEngine(registry, SpecConfig(), cost=COST)
-    engine = BatchedSpeculativeEngine(registry, spec, prefill_step_size=64)
+    engine = BatchedSpeculativeEngine(registry, spec.speculation, prefill_step_size=64)
     registry.transfer(engine.name)
     yield kind, engine, Reference(*load(str(target)))
     engine.close()

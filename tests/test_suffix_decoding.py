@@ -136,7 +136,7 @@ def test_batched_rows_draft_from_their_own_keys_index_only(tiny_model_dir, refer
     Both outputs equal plain decoding."""
     registry = ModelRegistry.load(str(tiny_model_dir), None)
     spec = SpeculativeEngine(registry, SpecConfig(), cost=BATCH_COST)
-    batched = BatchedSpeculativeEngine(registry, spec, prefill_step_size=64)
+    batched = BatchedSpeculativeEngine(registry, spec.speculation, prefill_step_size=64)
     registry.transfer(batched.name)
     prompt = reference.tokenizer.encode(QUESTION)
     expected = reference.greedy_tokens(prompt, 48)

@@ -216,7 +216,7 @@ def chain_rows(
     probs: list[list[mx.array]] = [[] for _ in rows]
     for step in range(k):
         drafting = [step < length for length in lengths]
-        tokens = _choose(rows, logits.astype(mx.float32), drafting, proposals, probs)
+        tokens = choose_tokens(rows, logits.astype(mx.float32), drafting, proposals, probs)
         if step + 1 == k:
             break
         # a row feeds its draft only if it drafts another after it
@@ -264,7 +264,7 @@ def _feed(model, cache, rows: list[BatchRow], tokens: list[list[int]]) -> mx.arr
     return logits
 
 
-def _choose(rows, logits, drafting, proposals, probs) -> list[int]:
+def choose_tokens(rows, logits, drafting, proposals, probs) -> list[int]:
     """Each drafting row's next draft token: greedy rows by one argmax over the
     batch, the others from their own processed q with their own RNG (keyed by
     output position when seeded)."""

@@ -46,25 +46,26 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engines.batched.containment import contain_draft_failure, failed_outputs, involved
 from engines.batched.costs import BatchCosts, BatchPlan
-from engines.batched.drafting import BatchRow, DraftModelRows, plan_rows
+from engines.batched.drafting import BatchRow, plan_rows
 from engines.batched.membership import BatchMembership
 from engines.batched.mtp import BatchedMTP
 from engines.batched.packed_forward import ChunkFeed, supports_packing
 from engines.batched.pipeline import Cadence, InFlight, queue_plain
 from engines.batched.prefill_groups import Checkpoints, PrefillGroup, prefill_next
+from engines.batched.row_drafters import rows_drafter
 from engines.batched.step_plan import StepKind, plan_step
 from engines.batched.verify import accept_rows, commit_row, process_rows
 from engines.cache.ragged_cache import RaggedKVCache
 from engines.cache.ragged_recurrent import is_recurrent
 from engines.cache.rollback import capturing_inputs, restore_rows, roll_back_rows, take_snapshot
-from engines.drafting.draft import DRAFT, LOOKUPS, MTP
+from engines.drafting.draft import DRAFT, LOOKUPS, MODEL_DRAFTERS
 from engines.faults import check
 from engines.interface import StepResult
 from engines.model.registry import ModelRegistry
 from engines.prefill_pacing import PrefillPacer
 from engines.sequence import StepOutput
-from engines.single.engine import SpeculativeEngine
 from engines.spec_config import SpecConfig
+from engines.speculation import Speculation
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class BatchedSpeculativeEngine(BatchMembership):
     def __init__(
         self,
         registry: ModelRegistry,
-        speculative: SpeculativeEngine,
+        speculation: Speculation,
         prefill_step_size: int = 512,
         costs: BatchCosts | None = None,
     ) -> None:
@@ -86,14 +87,17 @@ class BatchedSpeculativeEngine(BatchMembership):
         self.model = registry.model_for(self.name)
         # a hybrid's recurrent rows cannot be cut back when a finished row leaves
         self.recurrent = any(is_recurrent(c) for c in make_prompt_cache(registry.target.model))
-        self.model_drafter = self._model_drafter(speculative, prefill_step_size)
+        self.model_drafter = rows_drafter(
+            speculation.setup, registry, self.model, prefill_step_size
+        )
         # the MTP head needs the hidden states of every target forward of the batch
         self.mtp = self.model_drafter if isinstance(self.model_drafter, BatchedMTP) else None
         if self.mtp is not None:
             self.model = self.mtp.target  # the same ops and logits, run in two parts
-        self.config: SpecConfig = speculative.config
-        self.limits = speculative.limits  # a migrating request keeps its limits
-        self.costs = costs or BatchCosts(speculative.costs.model(), learn=speculative.costs.learn)
+        self.speculation = speculation  # the model's setup, shared with the single stream
+        self.config: SpecConfig = speculation.config
+        self.limits = speculation.limits  # a migrating request keeps its limits
+        self.costs = costs or BatchCosts(speculation.costs.model(), learn=speculation.costs.learn)
         self.prefill_step_size = prefill_step_size
         self.contain = registry.lockstep is None  # a failure stays with its rows (`containment`)
         self.rows: list[BatchRow] = []
@@ -116,18 +120,6 @@ class BatchedSpeculativeEngine(BatchMembership):
             and not self.recurrent
             and supports_packing(self.model)
         )
-
-    def _model_drafter(
-        self, speculative: SpeculativeEngine, chunk: int
-    ) -> DraftModelRows | BatchedMTP | None:
-        """The draft model, or else the target's own MTP head, or nothing."""
-        registry = self.registry
-        vocab = speculative.drafter.vocab_size if speculative.drafter else 0
-        if registry.draft is not None:
-            return DraftModelRows(registry.draft.model, vocab, chunk)
-        if registry.mtp is not None:
-            return BatchedMTP(registry.mtp, registry.target.model, self.model, vocab)
-        return None
 
     # ---- the step ---------------------------------------------------------------------
 
@@ -435,7 +427,7 @@ class BatchedSpeculativeEngine(BatchMembership):
 
     def _record(self, row: BatchRow, drafted: int, accepted: int) -> None:
         row.seq.spec.record(row.method, drafted, accepted)
-        method = DRAFT if row.method == MTP else row.method  # one gate per model drafter
+        method = DRAFT if row.method in MODEL_DRAFTERS else row.method  # one model drafter gate
         gate = row.gates[method]
         k_max = self._row_cap(row, method) or drafted
         match = row.match if row.method in LOOKUPS else 0

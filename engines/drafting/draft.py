@@ -24,12 +24,15 @@ PLD = "pld"
 DRAFT = "draft"
 MTP = "mtp"  # the model's own multi-token-prediction head (engines.drafting.mtp)
 SUFFIX = "suffix"  # the API key's recent requests (engines.drafting.suffix)
+DFLASH = "dflash"  # a DFlash block drafter fed the target's layers (feature_drafters)
+# the model drafters: one drafts at a time, under the one DRAFT gate
+MODEL_DRAFTERS = (DRAFT, MTP, DFLASH)
 LOOKUPS = (PLD, SUFFIX)  # drafters that copy tokens: free to make, gated by match length
 
 
 @dataclass
 class Draft:
-    method: str  # PLD, SUFFIX, DRAFT or MTP
+    method: str  # PLD, SUFFIX or one of MODEL_DRAFTERS
     tokens: list[int]
     probs: mx.array | None  # (k, V) float32 q for sampled drafts; None = one-hot
     # PLD: length of the n-gram that matched; SUFFIX: the match's length rounded down
@@ -41,7 +44,7 @@ class Draft:
     def gate(self) -> str:
         """The gate that rules this draft: a model drafter's (DRAFT) for the draft model
         and the MTP head alike -- one model drafter serves at a time -- else its own."""
-        return DRAFT if self.method == MTP else self.method
+        return DRAFT if self.method in MODEL_DRAFTERS else self.method
 
 
 class DraftStopRule(Protocol):

@@ -73,6 +73,7 @@ class MTPDrafter:
     """Proposes up to k tokens with the head, chained from the newest committed pair."""
 
     method = MTP
+    fed_with_target = True  # fed the target's hidden states (`engines.single.engine`)
 
     def __init__(self, head: MTPHead, target: TargetParts, vocab_size: int) -> None:
         self.head = head

@@ -147,6 +147,9 @@ class ModelRegistry:
         self.target = target
         self.draft = draft
         self.mtp: Any = None  # the target's own MTP head (engines.model.mtp), when loaded
+        # a drafter fed the target's hidden states (DFlash, EAGLE-3), when --draft-model
+        # names one (`engines.drafting.feature_drafters`)
+        self.feature_drafter: Any = None
         self.owner: str | None = None
         self.tokens_processed = 0  # token positions fed to the target by all engines
 

@@ -34,15 +34,12 @@ from engines.cache.rollback import (
     trim_exact,
 )
 from engines.drafting.draft import DRAFT, PLD, Draft, ModelDrafter
-from engines.drafting.draft_model import DraftModelDrafter, DraftState
+from engines.drafting.draft_model import DraftState
 from engines.drafting.draft_vocab import describe_vocabulary, vocabulary_of
-from engines.drafting.mtp import MTPDrafter, MTPState
+from engines.drafting.mtp import MTPState
 from engines.drafting.prompt_lookup import PromptLookupDrafter
-from engines.gating.draft_confidence import ConfidenceCalibration
-from engines.gating.draft_limits import DraftLimits
-from engines.gating.measured_costs import PLAIN, CostModel, OnlineCosts, RealizedRates
+from engines.gating.measured_costs import PLAIN, CostModel
 from engines.interface import StepResult, starting_state
-from engines.model.mtp import MTPStepModel, TargetParts
 from engines.model.registry import ModelRegistry
 from engines.prefill_pacing import PrefillPacer
 from engines.request import at_checkpoint, next_checkpoint
@@ -54,8 +51,8 @@ from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.single.active import Active
 from engines.single.policy import SingleStreamPolicy
 from engines.spec_config import SpecConfig
+from engines.speculation import Speculation, build_speculation
 from engines.state import SequenceState
-from engines.telemetry import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -68,44 +65,21 @@ class SpeculativeEngine:
         registry: ModelRegistry,
         config: SpecConfig | None = None,
         cost: CostModel | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
-        config = config or SpecConfig()
+        """Serves with `speculation` (the model's setup, shared with the batched
+        engine), or one built here from `config` and `cost` (tests, benchmarks)."""
         self.registry = registry
         self.model = registry.model_for(self.name)
-        self.config = config
-        self.totals = SpecStats()  # lifetime counters for /metrics
-        has_drafter = registry.draft is not None or registry.mtp is not None
-        self.limits = DraftLimits(config, has_drafter, self.totals)
-        self.pacer = PrefillPacer(config.prefill_step_size)  # prompt chunks sized by time
-        draft_model = registry.draft.model if registry.draft else None
-        # The model's own MTP head drafts when there is no draft model (one model
-        # drafter at a time); it needs the target's hidden states, so forwards split.
-        self.target_parts = TargetParts(registry.target.model) if registry.mtp else None
-        if draft_model is None and registry.mtp is not None:
-            draft_model = MTPStepModel(registry.mtp, self.target_parts)
-        measured = cost or CostModel.measure(
-            registry.target.model, draft_model, self.limits.k_cap + 1
-        )
-        measured = measured.extended(self.limits.pld_cap + 1)  # then learned as verifies are served
-        # A cost model given explicitly (tests) stays fixed, so gating is repeatable.
-        self.costs = OnlineCosts(measured, learn=cost is None)
-        # What drafting with the draft model really gives against plain steps; off with
-        # a fixed cost model (tests), whose gating must not depend on the machine.
-        self.realized = (
-            RealizedRates.starting_from(measured.plain_seconds) if cost is None else None
-        )
-        self.vocab_size = registry.target.vocab_size
-        self.drafter: ModelDrafter | None = None  # DraftModelDrafter or MTPDrafter
-        if registry.draft is not None:
-            self.drafter = DraftModelDrafter(
-                registry.draft.model,
-                min(registry.draft.vocab_size, self.vocab_size),
-                config.prefill_step_size,
-            )
-        elif registry.mtp is not None:
-            self.drafter = MTPDrafter(registry.mtp, self.target_parts, self.vocab_size)
-        # how often the draft model is right, by how sure it was (the pair's property)
-        self.confidence = ConfidenceCalibration()
+        self.speculation = speculation or build_speculation(registry, config, cost)
+        spec = self.speculation  # read through these names: the setup's own objects
+        self.config, self.totals, self.limits = spec.config, spec.totals, spec.limits
+        self.costs, self.realized, self.confidence = spec.costs, spec.realized, spec.confidence
+        self.drafter: ModelDrafter | None = spec.drafter
+        # the target's forwards that also yield what the drafter is fed (its features)
+        self.target_parts = spec.setup.features if spec.setup else None
+        self.vocab_size = spec.vocab_size
+        self.pacer = PrefillPacer(self.config.prefill_step_size)  # prompt chunks sized by time
         self.policy = SingleStreamPolicy(
             self.limits, self.costs, self.realized, self.drafter, self.confidence
         )
@@ -347,7 +321,7 @@ class SpeculativeEngine:
 
     def _feeds_mtp(self, active: Active) -> bool:
         """The request may draft with the MTP head, so the head must see its tokens."""
-        return isinstance(self.drafter, MTPDrafter) and DRAFT in active.gates
+        return getattr(self.drafter, "fed_with_target", False) and DRAFT in active.gates
 
     def _forward(self, active: Active, tokens: mx.array) -> tuple[mx.array, mx.array | None]:
         """A target forward over `tokens` (shape (n,)): logits (1, n, V), and the hidden
@@ -358,7 +332,7 @@ class SpeculativeEngine:
         return self.target_parts.forward(tokens[None], active.cache)
 
     def _drafter_state(self, active: Active) -> DraftState | MTPState:
-        return active.mtp if isinstance(self.drafter, MTPDrafter) else active.draft
+        return active.mtp if getattr(self.drafter, "fed_with_target", False) else active.draft
 
     def _commit_in_flight(self, pipeline: bool) -> list[StepOutput]:
         active = self.active

@@ -1,0 +1,155 @@
+"""A DFlash drafter drafting for every row of the batch in one forward.
+
+As the MTP head does (`batched_mtp`, whose row bookkeeping this reuses): every target
+forward of the batch runs through `HiddenTap`, here over the target's tapped layers
+(`engines.model.taps`); each row's `MTPState` collects its positions' states; the
+drafter's cache for all rows is one `RaggedKVCache` per drafter layer in the batch's
+draft-cache slot, so rows join, leave, pause and migrate with it.
+
+A drafting step is one ragged DFlash forward: each row's pending context (padded at
+the end) and its block [newest token, mask x K], the context written to the row's
+cache, the block never. Rows that do not draft this step still have their pending
+context written (a block of one position, whose logits nobody reads). Each drafting
+row then picks its tokens from the block's logits as a chained drafter would (argmax,
+or a draw from its processed q with its own RNG), so verification is unchanged.
+
+Invariant: drafter-cache row i holds exactly `rows[i].mtp.length` context positions
+(a DFlash cache never holds a draft, so nothing is cut before a feed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from engines.batched.drafting import BatchRow, choose_tokens
+from engines.batched.mtp import BatchedMTP, HiddenTap
+from engines.cache.ragged_cache import RaggedKVCache
+from engines.drafting.draft import DRAFT
+from engines.drafting.kinds import ModelDrafterSetup
+from engines.drafting.mtp import MTPState
+from engines.faults import check
+
+
+class FeatureRows(BatchedMTP):
+    """The batch's DFlash drafter (the calls `BatchedMTP` answers for the MTP head)."""
+
+    def __init__(self, setup: ModelDrafterSetup, guarded: Any) -> None:
+        drafter = setup.single
+        self.method = drafter.method
+        self.module = drafter.module
+        self.mask_token = drafter.mask_token
+        self.block_size = drafter.block_size
+        self.feature_width = drafter.feature_width
+        self.parts = setup.features
+        self.target = HiddenTap(guarded, self.parts)
+        self.vocab_size = setup.vocab_size
+
+    def join(self, row: BatchRow, draft=None, mtp: MTPState | None = None) -> list:
+        """The row's drafter cache as it joins; its state kept with the row (none for
+        a row that may not draft with it)."""
+        row.mtp = (mtp or MTPState()) if DRAFT in row.gates else None
+        if row.mtp is None or row.mtp.cache is None:
+            return self.module.make_cache()
+        cache, row.mtp.cache = row.mtp.cache, None  # the batch holds it now
+        return cache
+
+    def leave(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):
+        """(no draft state, the row's state with its own drafter cache again)."""
+        state = rows[index].mtp
+        if state is None:
+            return None, None
+        own = [layer.take([index]) for layer in cache]
+        for layer in own:
+            layer.set_lengths([state.length])
+        state.cache, state.speculative = own, 0
+        return None, state
+
+    def check(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> None:
+        assert all(
+            row.mtp is None or cache[0].lengths[i] == row.mtp.length for i, row in enumerate(rows)
+        ), "drafter row out of step"
+
+    def feed(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> None:
+        """Write every row's pending context (a block of one mask position each)."""
+        if any(row.mtp is not None and row.mtp.pending for row in rows):
+            self._forward(cache, rows, [[] for _ in rows])
+
+    def _forward(
+        self, cache: list[RaggedKVCache], rows: list[BatchRow], blocks: list[list[int]]
+    ) -> mx.array:
+        """One ragged drafter forward: row i's pending context, then `blocks[i]`
+        (padded with mask tokens to the widest). Logits (B, width - 1, V)."""
+        states = [row.mtp for row in rows]
+        counts = [state.pending if state else 0 for state in states]
+        width = max(2 if any(blocks) else 1, *(len(block) for block in blocks))
+        tokens = [block + [self.mask_token] * (width - len(block)) for block in blocks]
+        like = next((s.pending_hidden[0] for s, n in zip(states, counts, strict=True) if n), None)
+        features = mx.zeros((len(rows), 0, self.feature_width))
+        if like is not None:
+            wide = max(counts)
+            padded = []
+            for state, count in zip(states, counts, strict=True):
+                h = mx.concatenate(state.pending_hidden) if count else mx.zeros((0, like.shape[-1]))
+                padded.append(mx.pad(h.astype(like.dtype), [(0, wide - count), (0, 0)]))
+            features = mx.stack(padded)
+        logits = self.module.draft_logits(features, counts, mx.array(tokens, dtype=mx.int32), cache)
+        for state, count in zip(states, counts, strict=True):
+            if count:
+                state.length += count
+                state.pending_hidden, state.pending_tokens, state.pending = [], [], 0
+        return logits
+
+    def draft(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> tuple[int, bool]:
+        """`row.draft_length` drafts for every row drafting with DFlash whose state has
+        seen its newest token but one (others draft nothing), in one forward."""
+        steady = all(row.mtp is None or row.mtp.pending <= 2 for row in rows)
+        ready = []
+        for row in rows:
+            state = row.mtp
+            ok = (
+                row.method == self.method
+                and state is not None
+                and state.start + state.length + state.pending == len(row.tokens) - 1
+            )
+            if row.method == self.method and not ok:
+                row.method, row.drafts, row.draft_length = None, [], 0
+            ready.append(ok)
+        lengths = [
+            min(row.draft_length, self.block_size - 1) if ok else 0
+            for row, ok in zip(rows, ready, strict=True)
+        ]
+        if not any(lengths):
+            self.feed(cache, rows)
+            check([rows[i] for i in self.drafting_rows(rows)], "draft")
+            return 0, steady
+        blocks = [
+            [row.tokens[-1]] + [self.mask_token] * n if n else []
+            for row, n in zip(rows, lengths, strict=True)
+        ]
+        logits = self._forward(cache, rows, blocks)[..., : self.vocab_size].astype(mx.float32)
+        proposals: list[list[int]] = [[] for _ in rows]
+        probs: list[list[mx.array]] = [[] for _ in rows]
+        for step in range(max(lengths)):
+            drafting = [step < n for n in lengths]
+            choose_tokens(rows, logits[:, step, :], drafting, proposals, probs)
+        for row, n, proposal, q in zip(rows, lengths, proposals, probs, strict=True):
+            if n:
+                row.drafts, row.draft_length = proposal, n
+                row.probs = mx.stack(q) if q else None
+        check([rows[i] for i in self.drafting_rows(rows)], "draft")
+        return 1, steady
+
+    def recover(self, cache: list[RaggedKVCache], rows: list[BatchRow], failed: list[int]) -> None:
+        """After a draft that raised: every row's cache back to its true context (a
+        forward that failed may have written past it), the failed rows' states gone."""
+        for layer in cache:
+            layer.set_lengths(
+                [
+                    0 if row.mtp is None else min(row.mtp.length, n)
+                    for row, n in zip(rows, layer.lengths, strict=True)
+                ]
+            )
+        for i in failed:
+            rows[i].mtp = None

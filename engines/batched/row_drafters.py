@@ -1,0 +1,30 @@
+"""The batch's model drafter, of the kind the model's speculation setup chose
+(`engines.drafting.kinds`): the draft model's rows, the MTP head's, or a feature
+drafter's. Each answers the same calls (join, prefill, draft, copy, leave, check,
+recover), so the engine never asks which kind it has."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engines.batched.drafting import DraftModelRows
+from engines.batched.mtp import BatchedMTP
+from engines.drafting.draft import DRAFT, MTP
+from engines.drafting.kinds import ModelDrafterSetup
+from engines.model.registry import ModelRegistry
+
+
+def rows_drafter(
+    setup: ModelDrafterSetup | None, registry: ModelRegistry, guarded: Any, chunk: int
+) -> Any:
+    """The row drafter for `setup`'s kind; `guarded` is the batch's own target (a
+    drafter fed its hidden states runs the batch's target forwards)."""
+    if setup is None:
+        return None
+    if setup.method == DRAFT:
+        return DraftModelRows(registry.draft.model, setup.vocab_size, chunk)
+    if setup.method == MTP:
+        return BatchedMTP(registry.mtp, registry.target.model, guarded, setup.vocab_size)
+    from engines.batched.feature_rows import FeatureRows
+
+    return FeatureRows(setup, guarded)

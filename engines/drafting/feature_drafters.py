@@ -1,0 +1,202 @@
+"""Drafters fed the target's hidden states: DFlash (a block per forward) and EAGLE-3
+(a chain with a reduced vocabulary), loaded from the checkpoints people download.
+
+`--draft-model PATH` names a folder; its `config.json` says which kind it is
+(`drafter_kind`), `--draft-kind` forces one. The target's forwards keep the states
+of the layers the drafter's config names (`engines.model.taps`), and each request's
+`MTPState` (`engines.drafting.mtp`) holds them until the next proposal, with the
+drafter's own cache -- the same per-request state, hand-over and restart rules as the
+MTP head, so the engines feed all three the same way.
+
+DFlash (`engines.drafting.dflash_model`): its cache holds the context K/V of every
+position the target holds; a proposal is one forward over the pending context and the
+block [newest token, mask x K], whose K/V are never kept, so nothing is ever rolled
+back: the context it caches is committed by construction. The block's logits come from
+the target's head; each position's token is chosen (argmax, or sampled from its q)
+as a chained drafter's would be, so verification, the stop rule and seeded coupling
+are those of every model drafter.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from engines.drafting.draft import DFLASH, Draft, DraftStopRule
+from engines.drafting.draft_model import chain_drafts
+from engines.drafting.mtp import MTPState
+from engines.model.taps import OUTPUT, LayerTaps, decoder_layers
+from engines.request import SamplingParams
+from engines.sample.sampling import RandomStream
+
+log = logging.getLogger(__name__)
+
+KINDS = ("model", "dflash")  # --draft-kind; "auto" reads the drafter's config
+
+
+class DrafterRefused(ValueError):
+    """A drafter that does not fit the target (refused at start, with the field)."""
+
+
+def drafter_kind(path: str, forced: str | None = None) -> str:
+    """ "model" (a draft language model) or a feature drafter's kind, from the
+    drafter folder's `config.json` (a hub id or GGUF file is a draft model)."""
+    if forced and forced != "auto":
+        return forced
+    config_file = Path(path).expanduser() / "config.json"
+    if not config_file.is_file():
+        return "model"
+    from engines.drafting.dflash_model import is_dflash_config
+
+    config = json.loads(config_file.read_text())
+    if is_dflash_config(config):
+        return DFLASH
+    return "model"
+
+
+@dataclass
+class FeatureDrafter:
+    """A loaded feature drafter: its kind, module and what it reads of the target."""
+
+    kind: str
+    module: Any
+    taps: LayerTaps
+    block_size: int  # DFlash's trained block (drafts per forward + 1)
+    path: str
+    feature_width: int  # the tapped states' width: taps x the target's hidden size
+
+    def describe(self) -> str:
+        layers = ", ".join(str(index) for index, _ in self.taps.points)
+        return (
+            f"{self.kind} drafter {self.path}: reads the outputs of target layers "
+            f"[{layers}], blocks of up to {self.block_size} tokens"
+        )
+
+
+def load_feature_drafter(path: str, kind: str, target: Any) -> FeatureDrafter:
+    """Load the `kind` drafter at `path` for `target` (a `LoadedModel`); refuse one that
+    does not fit it, naming the field."""
+    from engines.drafting import dflash_model
+
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise DrafterRefused(f"--draft-model {path}: a {kind} drafter is a folder with config.json")
+    model = target.model
+    layers = len(decoder_layers(model))
+    text = target.config.get("text_config", target.config)
+    embed_rows = TapsInfo.embedding_rows(model)
+    dtype = TapsInfo.dtype(model)
+    try:
+        module = dflash_model.load_dflash(folder, dtype)
+        dflash_model.check_fits(module.config, int(text["hidden_size"]), layers, embed_rows)
+    except dflash_model.DrafterMismatch as exc:
+        raise DrafterRefused(f"--draft-model {path} does not fit {target.path}: {exc}") from exc
+    taps = LayerTaps(model, tuple((i, OUTPUT) for i in dflash_model.tap_layers(module.config)))
+    module.bind(taps.embed_tokens, taps.logits)
+    width = len(taps.points) * int(text["hidden_size"])
+    return FeatureDrafter(kind, module, taps, int(module.config.block_size), path, width)
+
+
+class TapsInfo:
+    """What a feature drafter checks of the target: its embedding rows and dtype."""
+
+    @staticmethod
+    def embedding_rows(model: Any) -> int:
+        text = getattr(model, "language_model", model)
+        return int(text.model.embed_tokens.weight.shape[0])
+
+    @staticmethod
+    def dtype(model: Any) -> mx.Dtype:
+        text = getattr(model, "language_model", model)
+        return text.model.norm.weight.dtype
+
+
+class DFlashDrafter:
+    """Proposes up to k tokens (k < block size) in one DFlash forward."""
+
+    method = DFLASH
+    fed_with_target = True
+
+    def __init__(self, loaded: FeatureDrafter, vocab_size: int) -> None:
+        self.loaded = loaded
+        self.module = loaded.module
+        self.mask_token = int(loaded.module.config.mask_token_id)
+        self.block_size = loaded.block_size
+        self.feature_width = loaded.feature_width
+        self.vocab_size = vocab_size
+
+    def feed(self, state: MTPState) -> mx.array | None:
+        """Write the pending context to the drafter's cache (a long prompt's states
+        are large: fed as they come). Returns None: DFlash keeps no output state."""
+        self._forward(state, [])
+        return None
+
+    def _forward(self, state: MTPState, block: list[int]) -> mx.array | None:
+        """One drafter forward over the pending context and `block` (its logits for
+        block positions 1.., or None for a context-only feed)."""
+        if state.cache is None:
+            state.cache = self.module.make_cache()
+        state.caught_up = state.pending
+        if not state.pending and not block:
+            return None
+        features = (
+            mx.concatenate(state.pending_hidden, axis=0)[None]
+            if state.pending
+            else mx.zeros((1, 0, self.feature_width))
+        )
+        tokens = mx.array([block or [self.mask_token]], dtype=mx.int32)
+        logits = self.module.draft_logits(features, [state.pending], tokens, state.cache)
+        state.length += state.pending
+        state.pending_hidden, state.pending_tokens, state.pending = [], [], 0
+        return logits if block else None
+
+    def propose(
+        self,
+        state: MTPState,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        rng: RandomStream,
+        processors: list | None = None,
+        position: int = 0,
+        stop: DraftStopRule | None = None,
+    ) -> Draft | None:
+        """Up to k drafts after `context`, whose positions but the newest the state
+        holds or has pending; None when it has not seen them (a restart)."""
+        k = min(k, self.block_size - 1)
+        if k <= 0 or state.start + state.length + state.pending != len(context) - 1:
+            return None
+        logits = self._forward(state, [context[-1]] + [self.mask_token] * k)
+        rows = logits[0, :, : self.vocab_size].astype(mx.float32)
+        steps = iter(range(1, k))
+
+        def advance(_token: mx.array) -> mx.array:
+            """The block's next position: drafted in the same forward, not after the token."""
+            return rows[next(steps)][None]
+
+        draft, _ = chain_drafts(
+            DFLASH, rows[0][None], advance, k, params, rng, processors, context, position, stop
+        )
+        return draft
+
+
+class DFlashStepModel:
+    """One DFlash proposal shaped like a model for the start-up cost measurement: a
+    block of the tokens given, context-free (what a steady proposal costs)."""
+
+    def __init__(self, loaded: FeatureDrafter) -> None:
+        self.module = loaded.module
+        self.width = loaded.feature_width
+
+    def __call__(self, tokens: mx.array, cache: list) -> mx.array:
+        features = mx.zeros((tokens.shape[0], 0, self.width))
+        block = mx.concatenate([tokens, tokens], axis=1)
+        return self.module.draft_logits(features, [0] * tokens.shape[0], block, cache)
+
+    def make_cache(self) -> list:
+        return self.module.make_cache()

@@ -1,0 +1,88 @@
+"""Drafter checkpoints as people download them, at toy sizes: the published config
+fields and weight key names, random weights, written next to a tiny target.
+
+`write_dflash` makes a DFlash drafter (z-lab's format: `dflash_config` with the
+mask token and the target layers whose outputs it reads) for a target folder: its
+hidden size and vocabulary are the target's, the mask token is the target's last
+embedding row (published drafters use a reserved row past the tokenizer's tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+
+
+def dflash_config(target_dir: Path, layer_ids: tuple[int, ...], block_size: int) -> dict:
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    target = target.get("text_config", target)
+    hidden, vocab = target["hidden_size"], target["vocab_size"]
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": hidden // 4,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "block_size": block_size,
+        "num_target_layers": target["num_hidden_layers"],
+        "tie_word_embeddings": True,
+        "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": list(layer_ids)},
+    }
+
+
+def dflash_weights(config: dict, seed: int = 0) -> dict[str, mx.array]:
+    """Random weights under the published key names, shaped by `config`."""
+    key = mx.random.key(seed)
+    d, heads, kv, hd = (
+        config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    )
+    inter, taps = config["intermediate_size"], len(config["dflash_config"]["target_layer_ids"])
+    shapes = {"fc.weight": (d, taps * d), "hidden_norm.weight": (d,), "norm.weight": (d,)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (heads * hd, d),
+            p + "self_attn.k_proj.weight": (kv * hd, d),
+            p + "self_attn.v_proj.weight": (kv * hd, d),
+            p + "self_attn.o_proj.weight": (d, heads * hd),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (inter, d),
+            p + "mlp.up_proj.weight": (inter, d),
+            p + "mlp.down_proj.weight": (d, inter),
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+        }
+    weights = {}
+    for name, shape in sorted(shapes.items()):
+        key, sub = mx.random.split(key)
+        noise = mx.random.normal(shape, key=sub)
+        weights[name] = 1 + 0.1 * noise if len(shape) == 1 else noise * shape[1] ** -0.5
+    return weights
+
+
+def write_dflash(
+    out: Path,
+    target_dir: Path,
+    layer_ids: tuple[int, ...] = (0, 1),
+    block_size: int = 8,
+    seed: int = 0,
+    **overrides,
+) -> Path:
+    """A DFlash drafter folder for the target at `target_dir`; `overrides` change
+    config fields (a mismatched drafter for refusal tests)."""
+    config = dflash_config(target_dir, layer_ids, block_size) | overrides
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    weights = {"model." + k: v for k, v in dflash_weights(config, seed).items()}
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    return out

@@ -1,0 +1,250 @@
+"""A downloaded DFlash drafter through the real engines (`engines/drafting/feature_drafters.py`,
+`engines/batched/feature_rows.py`): loaded from its published config and key names,
+fed the target's tapped layers from the forwards that verify, drafting a block per
+forward alone and for every row of the batch in one forward.
+
+The drafters have random weights (a trained one cannot be made here), so most drafts
+are rejected: every test checks exactness -- greedy token-identical to mlx-lm's plain
+decoding, sampled equal in distribution -- through rejections, migrations, a prefix
+hit and a hybrid target, and that the drafter really drafted.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+from engines.batched.engine import BatchedSpeculativeEngine
+from engines.drafting.feature_drafters import DrafterRefused, drafter_kind, load_feature_drafter
+from engines.model.registry import ModelRegistry
+from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
+from engines.sample.sampling import RandomStream
+from engines.sequence import make_sequence
+from engines.single.engine import SpeculativeEngine
+from engines.spec_config import SpecConfig
+from tests.conftest import Reference, make_client, start_scheduler
+from tests.distributions import assert_same_token_distribution
+from tests.drafter_checkpoints import write_dflash
+from tests.test_batched_speculation import (
+    COST,
+    PROMPTS,
+    assert_rows_equal,
+    round_trip_through_the_batch,
+    run_batch,
+)
+from tests.test_metrics import scrape, value
+from tests.tiny_archs import build_tiny_arch
+
+GREEDY = SamplingParams(temperature=0.0)
+DFLASH_ONLY = SpeculationOverrides(enable_pld=False)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_model_dir, tmp_path_factory):
+    return write_dflash(tmp_path_factory.mktemp("dflash") / "drafter", tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_model_dir, tmp_path_factory):
+    """A tiny Qwen3.5 hybrid (recurrent layers) and a DFlash drafter reading two of its layers."""
+    root = tmp_path_factory.mktemp("dflash-hybrid")
+    target = build_tiny_arch("qwen3_5", root / "target", tiny_model_dir)
+    return target, write_dflash(root / "drafter", target, layer_ids=(1, 3), block_size=6)
+
+
+def make_engines(target_dir, drafter_dir):
+    registry = ModelRegistry.load(str(target_dir))
+    registry.feature_drafter = load_feature_drafter(str(drafter_dir), "dflash", registry.target)
+    spec = SpeculativeEngine(registry, SpecConfig(), cost=COST)
+    batched = BatchedSpeculativeEngine(registry, spec.speculation, prefill_step_size=64)
+    registry.transfer(batched.name)
+    return spec, batched
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir, drafter_dir):
+    return make_engines(tiny_model_dir, drafter_dir)
+
+
+def request(rid, prompt_ids, max_tokens, sampling=GREEDY, speculation=DFLASH_ONLY):
+    return GenerationRequest(
+        rid, tuple(prompt_ids), max_tokens, sampling, ignore_eos=True, speculation=speculation
+    )
+
+
+def solo(spec, req):
+    registry = spec.registry
+    registry.transfer(spec.name)
+    seq = make_sequence(req, registry.tokenizer)
+    spec.admit(seq)
+    while spec.active is not None:
+        spec.step()
+    return seq
+
+
+def dflash_drafted(seqs) -> int:
+    return sum(
+        s.spec.by_method["dflash"].draft_tokens for s in seqs if "dflash" in s.spec.by_method
+    )
+
+
+def test_the_drafter_kind_is_read_from_its_config(drafter_dir, tiny_model_dir):
+    assert drafter_kind(str(drafter_dir)) == "dflash"
+    assert drafter_kind(str(tiny_model_dir)) == "model"
+    assert drafter_kind(str(tiny_model_dir), "dflash") == "dflash"
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:3])
+def test_alone_greedy_equals_plain_decoding(engines, reference, prompt):
+    spec, _ = engines
+    prompt_ids = reference.tokenizer.encode(prompt)
+    seq = solo(spec, request("a", prompt_ids, 80))
+    assert seq.generated == reference.greedy_tokens(prompt_ids, 80)
+    assert dflash_drafted([seq]) > 0, "the drafter drafted"
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_rows_of_a_batch_each_equal_plain_decoding(engines, reference, n):
+    _, batched = engines
+    batched.registry.transfer(batched.name)
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:n]]
+    lengths = [120 if i == 0 else 40 + 11 * i for i in range(n)]
+    pairs = list(enumerate(zip(prompts, lengths, strict=True)))
+    seqs, outputs, drafted = run_batch(batched, [request(f"r{i}", p, m) for i, (p, m) in pairs])
+    expected = {f"r{i}": reference.greedy_tokens(p, m) for i, (p, m) in pairs}
+    assert_rows_equal(seqs, outputs, expected)
+    assert drafted > 0 and dflash_drafted(seqs.values()) > 0, "rows drafted with DFlash batched"
+
+
+def test_a_request_carries_its_drafter_cache_into_the_batch_and_back(engines, reference):
+    spec, batched = engines
+    seq, back, _ = round_trip_through_the_batch(spec, batched, reference)
+    assert back.mtp is not None and back.mtp.cache is not None
+    assert back.mtp.start == 0, "the drafter saw every position on both sides"
+    assert dflash_drafted([seq]) > 0
+
+
+def test_a_hybrid_target_alone_and_batched(hybrid):
+    target, drafter = hybrid
+    reference = Reference(*load(str(target)))
+    spec, batched = make_engines(target, drafter)
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:3]]
+    seq = solo(spec, request("h", prompts[0], 60))
+    assert seq.generated == reference.greedy_tokens(prompts[0], 60)
+    batched.registry.transfer(batched.name)
+    seqs, outputs, _ = run_batch(batched, [request(f"r{i}", p, 50) for i, p in enumerate(prompts)])
+    assert_rows_equal(
+        seqs, outputs, {f"r{i}": reference.greedy_tokens(p, 50) for i, p in enumerate(prompts)}
+    )
+    assert dflash_drafted([seq, *seqs.values()]) > 0
+
+
+def test_seeded_rows_give_their_solo_plain_seeded_tokens(engines, reference):
+    spec, batched = engines
+    sampling = SamplingParams(temperature=1.0, seed=5)
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:3]]
+    plain = SpeculationOverrides(num_draft_tokens=0)
+    expected = {
+        f"s{i}": solo(spec, request(f"s{i}", p, 40, sampling, plain)).generated
+        for i, p in enumerate(prompts)
+    }
+    alone = solo(spec, request("s0", prompts[0], 40, sampling))
+    assert alone.generated == expected["s0"]
+    batched.registry.transfer(batched.name)
+    seqs, _, _ = run_batch(
+        batched, [request(f"s{i}", p, 40, sampling) for i, p in enumerate(prompts)]
+    )
+    for rid, tokens in expected.items():
+        assert seqs[rid].generated == tokens, rid
+
+
+def _second_and_third(engine, prompt_ids, seeds, drafting: bool, batch: int = 16):
+    """Tokens 2 and 3 of unseeded sampled 3-token requests, each RNG from a fixed key."""
+    overrides = DFLASH_ONLY if drafting else SpeculationOverrides(num_draft_tokens=0)
+    sampling = SamplingParams(temperature=1.0)
+    pairs, accepted = [], 0
+    for start in range(0, len(seeds), batch):
+        chunk = seeds[start : start + batch]
+        requests = [request(f"s{s}", prompt_ids, 3, sampling, overrides) for s in chunk]
+        rngs = {f"s{s}": RandomStream(mx.random.key(s)) for s in chunk}
+        seqs, _, _ = run_batch(engine, requests, rngs=rngs)
+        pairs += [tuple(seqs[r.request_id].generated[1:]) for r in requests]
+        accepted += sum(
+            s.spec.by_method["dflash"].accepted_tokens
+            for s in seqs.values()
+            if "dflash" in s.spec.by_method
+        )
+    return pairs, accepted
+
+
+@pytest.mark.slow
+def test_sampled_rows_match_plain_sampling_distribution(engines, reference):
+    _, batched = engines
+    batched.registry.transfer(batched.name)
+    prompt = reference.tokenizer.encode(PROMPTS[0])
+    base = zlib.crc32(b"dflash-sampled") % 10_000
+    trials = 1000
+    drafted, accepted = _second_and_third(batched, prompt, [base + i for i in range(trials)], True)
+    plain, _ = _second_and_third(batched, prompt, [base + trials + i for i in range(trials)], False)
+    assert accepted > 20, "drafts were accepted by the sampled rule, not only rejected"
+    assert_same_token_distribution(drafted, plain)
+
+
+def test_a_drafter_that_does_not_fit_is_refused_naming_the_field(tiny_model_dir, tmp_path):
+    registry = ModelRegistry.load(str(tiny_model_dir))
+    wide = write_dflash(tmp_path / "wide", tiny_model_dir, hidden_size=96, head_dim=24)
+    with pytest.raises(DrafterRefused, match="hidden"):
+        load_feature_drafter(str(wide), "dflash", registry.target)
+    deep = write_dflash(tmp_path / "deep", tiny_model_dir, layer_ids=(0, 7))
+    with pytest.raises(DrafterRefused, match="layer"):
+        load_feature_drafter(str(deep), "dflash", registry.target)
+
+
+async def test_served_requests_draft_with_dflash_and_hit_the_prefix_cache(
+    tiny_model_dir, drafter_dir, reference
+):
+    """Three concurrent requests batched with DFlash drafting in the batch, then the
+    first prompt again (a prefix-cache hit): every answer equals mlx-lm, /metrics
+    counts DFlash drafts by method."""
+    scheduler = start_scheduler(
+        tiny_model_dir, draft_model=str(drafter_dir), suffix_tokens_per_key=0
+    )
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:3]]
+
+    def body(prompt, n):
+        return {
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "enable_pld": False,
+        }
+
+    def text(prompt, n):
+        detokenizer = reference.tokenizer.detokenizer
+        detokenizer.reset()
+        for token in reference.greedy_tokens(prompt, n):
+            detokenizer.add_token(token)
+        detokenizer.finalize()
+        return detokenizer.text
+
+    try:
+        async with make_client(scheduler) as client:
+            import asyncio
+
+            responses = await asyncio.gather(
+                *(client.post("/v1/completions", json=body(p, 60)) for p in prompts)
+            )
+            again = await client.post("/v1/completions", json=body(prompts[0], 60))
+            metrics = await scrape(client)
+        for prompt, response in zip([*prompts, prompts[0]], [*responses, again], strict=True):
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == text(prompt, 60)
+        cached = again.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        assert cached > 0, "the repeated prompt started from the prefix cache"
+        assert value(metrics, "tandem_spec_draft_tokens_total", method="dflash") > 0
+    finally:
+        scheduler.stop()

@@ -46,11 +46,12 @@ def add_speculation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft-model",
         help="draft model (path, .gguf, hub id or packaged name) for speculation, or a "
-        "drafter fed the target's hidden states (a DFlash folder: its config.json says so)",
+        "drafter fed the target's hidden states (a DFlash or EAGLE-3 folder, as its "
+        "config.json says)",
     )
     parser.add_argument(
         "--draft-kind",
-        choices=("auto", "model", "dflash"),
+        choices=("auto", "model", "dflash", "eagle3"),
         default="auto",
         help="what --draft-model is (default: read from its config.json)",
     )

@@ -86,3 +86,94 @@ def write_dflash(
     weights = {"model." + k: v for k, v in dflash_weights(config, seed).items()}
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     return out
+
+
+def write_eagle3(
+    out: Path,
+    target_dir: Path,
+    aux_ids: list[int] | None = None,
+    draft_vocab: int | None = None,
+    seed: int = 0,
+    specforge: bool = True,
+    **overrides,
+) -> Path:
+    """An EAGLE-3 speculator folder for the target at `target_dir`: SpecForge's format
+    (`midlayer.*`, no embedding: it uses the target's) or the `speculators` one
+    (`layers.0.*`, its own embedding). `aux_ids` None leaves them null in the config
+    (the default then comes from the target's layer count); `draft_vocab` keeps that
+    many target ids, a sorted random subset mapped by `d2t`."""
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    target = target.get("text_config", target)
+    hidden, vocab = target["hidden_size"], target["vocab_size"]
+    draft_vocab = draft_vocab or vocab // 2
+    heads, kv, head_dim, inter = 4, 2, hidden // 4, 2 * hidden
+    # trained for a target of another width, when a test says so (then fc reads that)
+    target_hidden = overrides.pop("target_hidden_size", hidden)
+    layer = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "vocab_size": vocab,
+    }
+    if specforge:
+        config = {
+            **layer,
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": draft_vocab,
+            "target_hidden_size": target_hidden,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids},
+        }
+    else:
+        config = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "transformer_layer_config": layer,
+            "draft_vocab_size": draft_vocab,
+            "target_hidden_size": target_hidden,
+            "eagle_aux_hidden_state_layer_ids": aux_ids,
+        }
+    config |= overrides
+    key = mx.random.key(seed)
+
+    def normal(*shape: int, scale: float) -> mx.array:
+        nonlocal key
+        key, sub = mx.random.split(key)
+        return scale * mx.random.normal(shape, key=sub)
+
+    def norm() -> mx.array:
+        return 1 + normal(hidden, scale=0.1)
+
+    taps = 3 if aux_ids is None else len(aux_ids)
+    p = "midlayer." if specforge else "layers.0."
+    key, sub = mx.random.split(key)
+    kept = mx.sort(mx.random.permutation(vocab, key=sub)[:draft_vocab])
+    weights = {
+        "fc.weight": normal(hidden, taps * target_hidden, scale=(taps * target_hidden) ** -0.5),
+        p + "input_layernorm.weight": norm(),
+        p + "hidden_norm.weight": norm(),
+        p + "post_attention_layernorm.weight": norm(),
+        p + "self_attn.q_proj.weight": normal(heads * head_dim, 2 * hidden, scale=0.1),
+        p + "self_attn.k_proj.weight": normal(kv * head_dim, 2 * hidden, scale=0.1),
+        p + "self_attn.v_proj.weight": normal(kv * head_dim, 2 * hidden, scale=0.1),
+        p + "self_attn.o_proj.weight": normal(hidden, heads * head_dim, scale=0.1),
+        p + "mlp.gate_proj.weight": normal(inter, hidden, scale=0.1),
+        p + "mlp.up_proj.weight": normal(inter, hidden, scale=0.1),
+        p + "mlp.down_proj.weight": normal(hidden, inter, scale=0.1),
+        "norm.weight": norm(),
+        "lm_head.weight": normal(draft_vocab, hidden, scale=0.5),
+        "d2t": (kept - mx.arange(draft_vocab)).astype(mx.int64),
+    }
+    if not specforge:
+        weights["embed_tokens.weight"] = normal(vocab, hidden, scale=1.0)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    return out

@@ -153,3 +153,17 @@ class FeatureRows(BatchedMTP):
             )
         for i in failed:
             rows[i].mtp = None
+
+
+class Eagle3Rows(BatchedMTP):
+    """An EAGLE-3 speculator's rows: chained as the MTP head's are (its `pairs`,
+    `chained`, `batch_logits`), its one-layer cache kept ragged when a row leaves."""
+
+    def leave(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):
+        state = rows[index].mtp
+        if state is None:
+            return None, None
+        own = cache[0].take([index])
+        own.set_lengths([state.length])
+        state.cache, state.speculative = [own], 0
+        return None, state

@@ -27,10 +27,9 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from engines.batched.drafting import BatchRow, chain_rows
 from engines.cache.ragged_cache import RaggedKVCache
 from engines.cache.rollback import trim_exact
-from engines.drafting.draft import DRAFT, MTP
-from engines.drafting.mtp import MTPState
+from engines.drafting.draft import DRAFT
+from engines.drafting.mtp import MTPDrafter, MTPState
 from engines.faults import check
-from engines.model.mtp import MTPHead, TargetParts
 
 
 class HiddenTap:
@@ -38,7 +37,7 @@ class HiddenTap:
     as backbone then LM head -- the same ops, the same logits -- keeping the newest
     forward's hidden states for the MTP head."""
 
-    def __init__(self, model: Any, parts: TargetParts) -> None:
+    def __init__(self, model: Any, parts: Any) -> None:
         self.model = model  # the engine's guarded model: ownership is checked first
         self.parts = parts
         self.hidden: mx.array | None = None  # (B, T, D) of the newest forward
@@ -58,25 +57,28 @@ class _HeadSteps:
     """One chained head step over the batch, shaped like a model for `chain_rows`:
     the drafted tokens with the head's own previous outputs are the next pairs."""
 
-    def __init__(self, head: MTPHead, parts: TargetParts, out: mx.array) -> None:
-        self.head, self.parts, self.out = head, parts, out
+    def __init__(self, drafter: MTPDrafter, out: mx.array) -> None:
+        self.drafter, self.out = drafter, out
 
     def __call__(self, tokens: mx.array, cache: list) -> mx.array:
-        self.out = self.head(self.parts.embed_tokens(tokens), self.out, cache[0])
-        return self.parts.logits(self.out)
+        self.out = self.drafter.chained(tokens, self.out, cache)
+        return self.drafter.batch_logits(self.out)
 
 
 class BatchedMTP:
-    """The MTP head as the batch's model drafter (the calls `DraftModelRows` answers
-    for a draft model), with the target it needs hidden states from (`target`)."""
+    """The MTP head -- or an EAGLE-3 speculator, which chains the same way on the
+    target's tapped layers -- as the batch's model drafter (the calls `DraftModelRows`
+    answers for a draft model), with the target it needs hidden states from
+    (`target`). `drafter` is the single-stream drafter: its `pairs`, `chained` and
+    `batch_logits` are what a head of its kind computes."""
 
-    method = MTP
     fed_with_target = True  # its cache is fed with each target forward's hidden states
 
-    def __init__(self, head: MTPHead, model: Any, guarded: Any, vocab_size: int) -> None:
-        self.head = head
-        self.parts = TargetParts(model)
-        self.target = HiddenTap(guarded, self.parts)  # the batch's target forwards
+    def __init__(self, drafter: MTPDrafter, parts: Any, guarded: Any, vocab_size: int) -> None:
+        self.drafter = drafter
+        self.method = drafter.method
+        self.parts = parts
+        self.target = HiddenTap(guarded, parts)  # the batch's target forwards
         self.vocab_size = vocab_size
 
     # ---- rows joining and leaving -------------------------------------------------
@@ -86,7 +88,7 @@ class BatchedMTP:
         with the row; a row that may not draft with the head gets no state."""
         row.mtp = (mtp or MTPState()) if DRAFT in row.gates else None
         if row.mtp is None or row.mtp.cache is None:  # no entries yet (length 0)
-            return self.head.make_cache()
+            return self.drafter.make_cache()
         cache, row.mtp.cache = row.mtp.cache, None  # the batch holds it now
         trim_exact(cache, row.mtp.speculative)
         row.mtp.speculative = 0
@@ -156,8 +158,7 @@ class BatchedMTP:
             t = mx.concatenate(state.pending_tokens) if count else mx.zeros((0,), mx.int32)
             hidden.append(mx.pad(h.astype(like.dtype), [(0, width - count), (0, 0)]))
             tokens.append(mx.pad(t.astype(mx.int32), [(0, width - count)]))
-        embeddings = self.parts.embed_tokens(mx.stack(tokens))
-        out = self.head(embeddings, mx.stack(hidden), layer)
+        out = self.drafter.pairs(mx.stack(tokens), mx.stack(hidden), cache)
         layer.set_lengths(  # padding cut: each row holds its true entries
             [0 if s is None else s.length + n for s, n in zip(states, counts, strict=True)]
         )
@@ -176,22 +177,22 @@ class BatchedMTP:
         steady = all(row.mtp is None or row.mtp.pending <= 2 for row in rows)
         self.feed(cache, rows)
         ready = [
-            row.method == MTP
+            row.method == self.method
             and row.mtp is not None
             and row.mtp.newest is not None
             and row.mtp.start + row.mtp.length == len(row.tokens) - 1
             for row in rows
         ]
         for row, ok in zip(rows, ready, strict=True):
-            if row.method == MTP and not ok:
+            if row.method == self.method and not ok:
                 row.method, row.drafts, row.draft_length = None, [], 0
         lengths = [row.draft_length if ok else 0 for row, ok in zip(rows, ready, strict=True)]
         if any(lengths):
             newest = [row.mtp.newest if ok else None for row, ok in zip(rows, ready, strict=True)]
             like = next(n for n in newest if n is not None)
             out = mx.concatenate([like * 0 if n is None else n for n in newest])
-            logits = self.parts.logits(out)[:, 0, : self.vocab_size]
-            chain_rows(_HeadSteps(self.head, self.parts, out), cache, rows, logits, lengths)
+            logits = self.drafter.batch_logits(out)[:, 0]
+            chain_rows(_HeadSteps(self.drafter, out), cache, rows, logits, lengths)
         check([rows[i] for i in self.drafting_rows(rows)], "draft")
         return max(lengths), steady
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from engines.batched.drafting import DraftModelRows
+from engines.batched.feature_rows import Eagle3Rows, FeatureRows
 from engines.batched.mtp import BatchedMTP
-from engines.drafting.draft import DRAFT, MTP
+from engines.drafting.draft import DFLASH, DRAFT, EAGLE3
 from engines.drafting.kinds import ModelDrafterSetup
 from engines.model.registry import ModelRegistry
 
@@ -23,8 +24,8 @@ def rows_drafter(
         return None
     if setup.method == DRAFT:
         return DraftModelRows(registry.draft.model, setup.vocab_size, chunk)
-    if setup.method == MTP:
-        return BatchedMTP(registry.mtp, registry.target.model, guarded, setup.vocab_size)
-    from engines.batched.feature_rows import FeatureRows
-
-    return FeatureRows(setup, guarded)
+    if setup.method == DFLASH:
+        return FeatureRows(setup, guarded)
+    if setup.method == EAGLE3:
+        return Eagle3Rows(setup.single, setup.features, guarded, setup.vocab_size)
+    return BatchedMTP(setup.single, setup.features, guarded, setup.vocab_size)

@@ -27,16 +27,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from engines.drafting.draft import DFLASH, Draft, DraftStopRule
+from engines.drafting.draft import DFLASH, EAGLE3, Draft, DraftStopRule
 from engines.drafting.draft_model import chain_drafts
-from engines.drafting.mtp import MTPState
-from engines.model.taps import OUTPUT, LayerTaps, decoder_layers
+from engines.drafting.mtp import MTPDrafter, MTPState
+from engines.model.taps import INPUT, OUTPUT, LayerTaps, decoder_layers
 from engines.request import SamplingParams
 from engines.sample.sampling import RandomStream
 
 log = logging.getLogger(__name__)
 
-KINDS = ("model", "dflash")  # --draft-kind; "auto" reads the drafter's config
+KINDS = ("model", DFLASH, EAGLE3)  # --draft-kind; "auto" reads the drafter's config
 
 
 class DrafterRefused(ValueError):
@@ -52,10 +52,13 @@ def drafter_kind(path: str, forced: str | None = None) -> str:
     if not config_file.is_file():
         return "model"
     from engines.drafting.dflash_model import is_dflash_config
+    from engines.drafting.eagle3_model import is_eagle3_config
 
     config = json.loads(config_file.read_text())
     if is_dflash_config(config):
         return DFLASH
+    if is_eagle3_config(config):
+        return EAGLE3
     return "model"
 
 
@@ -66,40 +69,64 @@ class FeatureDrafter:
     kind: str
     module: Any
     taps: LayerTaps
-    block_size: int  # DFlash's trained block (drafts per forward + 1)
+    block_size: int  # DFlash's trained block (drafts per forward + 1); 0: a chain
     path: str
     feature_width: int  # the tapped states' width: taps x the target's hidden size
 
     def describe(self) -> str:
-        layers = ", ".join(str(index) for index, _ in self.taps.points)
-        return (
-            f"{self.kind} drafter {self.path}: reads the outputs of target layers "
-            f"[{layers}], blocks of up to {self.block_size} tokens"
-        )
+        taps = ", ".join(f"{where} of layer {index}" for index, where in self.taps.points)
+        block = f", blocks of up to {self.block_size} tokens" if self.block_size else ""
+        return f"{self.kind} drafter {self.path}: reads the target's {taps}{block}"
 
 
 def load_feature_drafter(path: str, kind: str, target: Any) -> FeatureDrafter:
     """Load the `kind` drafter at `path` for `target` (a `LoadedModel`); refuse one that
     does not fit it, naming the field."""
-    from engines.drafting import dflash_model
-
     folder = Path(path).expanduser()
     if not (folder / "config.json").is_file():
         raise DrafterRefused(f"--draft-model {path}: a {kind} drafter is a folder with config.json")
     model = target.model
     layers = len(decoder_layers(model))
     text = target.config.get("text_config", target.config)
-    embed_rows = TapsInfo.embedding_rows(model)
-    dtype = TapsInfo.dtype(model)
+    hidden, rows = int(text["hidden_size"]), TapsInfo.embedding_rows(model)
     try:
-        module = dflash_model.load_dflash(folder, dtype)
-        dflash_model.check_fits(module.config, int(text["hidden_size"]), layers, embed_rows)
-    except dflash_model.DrafterMismatch as exc:
+        if kind == DFLASH:
+            module, points, block = _load_dflash(folder, model, hidden, layers, rows)
+        elif kind == EAGLE3:
+            module, points, block = _load_eagle3(folder, model, hidden, layers, rows)
+        else:
+            raise DrafterRefused(f"--draft-kind {kind}: not a feature drafter ({KINDS})")
+        taps = LayerTaps(model, points)
+        if kind == DFLASH:
+            module.bind(taps.embed_tokens, taps.logits)
+        else:  # the target's embedding, unless the checkpoint has its own
+            module.bind(taps.embed_tokens)
+    except ValueError as exc:  # each module's DrafterMismatch names the field
+        if isinstance(exc, DrafterRefused):
+            raise
         raise DrafterRefused(f"--draft-model {path} does not fit {target.path}: {exc}") from exc
-    taps = LayerTaps(model, tuple((i, OUTPUT) for i in dflash_model.tap_layers(module.config)))
-    module.bind(taps.embed_tokens, taps.logits)
-    width = len(taps.points) * int(text["hidden_size"])
-    return FeatureDrafter(kind, module, taps, int(module.config.block_size), path, width)
+    return FeatureDrafter(kind, module, taps, block, path, len(points) * hidden)
+
+
+def _load_dflash(folder: Path, model: Any, hidden: int, layers: int, rows: int):
+    from engines.drafting import dflash_model
+
+    module = dflash_model.load_dflash(folder, TapsInfo.dtype(model))
+    dflash_model.check_fits(module.config, hidden, layers, rows)
+    points = tuple((i, OUTPUT) for i in dflash_model.tap_layers(module.config))
+    return module, points, int(module.config.block_size)
+
+
+def _load_eagle3(folder: Path, model: Any, hidden: int, layers: int, rows: int):
+    """Aux id k is the input of target layer k; k = L (the last layer's output)."""
+    from engines.drafting import eagle3_model
+
+    module = eagle3_model.load_eagle3(folder, layers, TapsInfo.dtype(model))
+    module.check_fits(hidden, layers, rows)
+    points = tuple(
+        (k, INPUT) if k < layers else (layers - 1, OUTPUT) for k in module.config.aux_layer_ids
+    )
+    return module, points, 0
 
 
 class TapsInfo:
@@ -200,3 +227,46 @@ class DFlashStepModel:
 
     def make_cache(self) -> list:
         return self.module.make_cache()
+
+
+class Eagle3Drafter(MTPDrafter):
+    """An EAGLE-3 speculator: chained as the MTP head is (pair i = fused target states
+    at i with token i+1; its own output state is the next pair's), drafting over its
+    reduced vocabulary mapped onto the target's (`id + d2t[id]`): its q over the
+    target's vocabulary is zero off the mapped ids, so exact verification is the same
+    rule as every drafter's."""
+
+    method = EAGLE3
+    fed_with_target = True
+
+    def __init__(self, loaded: FeatureDrafter, vocab_size: int) -> None:
+        self.module = loaded.module
+        self.target = loaded.taps
+        self.vocab_size = vocab_size
+
+    def pairs(self, tokens: mx.array, hidden: mx.array, cache: list) -> mx.array:
+        return self.module.step(tokens, self.module.fuse(hidden), cache)[1]
+
+    def chained(self, tokens: mx.array, out: mx.array, cache: list) -> mx.array:
+        return self.module.step(tokens, out, cache)[1]
+
+    def make_cache(self) -> list:
+        return self.module.make_cache()
+
+    def batch_logits(self, out: mx.array) -> mx.array:
+        draft = self.module.lm_head(self.module.norm(out))
+        return self.module.target_logprobs(draft, self.vocab_size)
+
+
+class Eagle3StepModel:
+    """One chained EAGLE-3 step shaped like a model, for the start-up cost measurement."""
+
+    def __init__(self, drafter: Eagle3Drafter) -> None:
+        self.drafter = drafter
+
+    def __call__(self, tokens: mx.array, cache: list) -> mx.array:
+        out = self.drafter.module.embed(tokens)
+        return self.drafter.batch_logits(self.drafter.chained(tokens, out, cache))
+
+    def make_cache(self) -> list:
+        return self.drafter.make_cache()

@@ -14,9 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engines.drafting.draft import ModelDrafter
+from engines.drafting.draft import EAGLE3, ModelDrafter
 from engines.drafting.draft_model import DraftModelDrafter
-from engines.drafting.feature_drafters import DFlashDrafter, DFlashStepModel, FeatureDrafter
+from engines.drafting.feature_drafters import (
+    DFlashDrafter,
+    DFlashStepModel,
+    Eagle3Drafter,
+    Eagle3StepModel,
+    FeatureDrafter,
+)
 from engines.drafting.mtp import MTPDrafter
 from engines.model.mtp import MTPStepModel, TargetParts
 from engines.model.registry import ModelRegistry
@@ -58,6 +64,10 @@ def model_drafter(registry: ModelRegistry, vocab_size: int, chunk: int) -> Model
 
 def feature_setup(loaded: FeatureDrafter, vocab_size: int) -> ModelDrafterSetup:
     """The setup of a loaded feature drafter: fed the tapped layers of every forward."""
+    if loaded.kind == EAGLE3:
+        chain = Eagle3Drafter(loaded, vocab_size)
+        step = Eagle3StepModel(chain)
+        return ModelDrafterSetup(chain.method, chain, step, loaded.taps, vocab_size)
     drafter = DFlashDrafter(loaded, vocab_size)
     return ModelDrafterSetup(
         drafter.method, drafter, DFlashStepModel(loaded), loaded.taps, vocab_size

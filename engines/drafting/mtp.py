@@ -84,7 +84,7 @@ class MTPDrafter:
         """Feed every pending pair; the head's output at the newest entry (lazy, shape
         (1, 1, D)), or None when the head holds nothing."""
         if state.cache is None:
-            state.cache = self.head.make_cache()
+            state.cache = self.make_cache()
         if state.speculative:
             trim_exact(state.cache, state.speculative)
             state.speculative = 0
@@ -93,7 +93,7 @@ class MTPDrafter:
             return state.newest
         hidden = mx.concatenate(state.pending_hidden, axis=0)[None]
         tokens = mx.concatenate(state.pending_tokens).astype(mx.int32)[None]
-        out = self.head(self.target.embed_tokens(tokens), hidden, state.cache[0])
+        out = self.pairs(tokens, hidden, state.cache)
         state.length += state.pending
         state.pending_hidden, state.pending_tokens, state.pending = [], [], 0
         state.newest = out[:, -1:, :]
@@ -121,14 +121,42 @@ class MTPDrafter:
         def advance(token: mx.array) -> mx.array:
             """The next pair: the head's own output state and the token it drafted."""
             nonlocal out
-            out = self.head(self.target.embed_tokens(token[None]), out, state.cache[0])
+            out = self.chained(token[None], out, state.cache)
             state.speculative += 1
             return self._logits(out)
 
         draft, _ = chain_drafts(
-            MTP, self._logits(out), advance, k, params, rng, processors, context, position, stop
+            self.method,
+            self._logits(out),
+            advance,
+            k,
+            params,
+            rng,
+            processors,
+            context,
+            position,
+            stop,
         )
         return draft
 
+    # ---- what a head of this kind computes (EAGLE-3 answers the same calls) ----------
+
+    def pairs(self, tokens: mx.array, hidden: mx.array, cache: list) -> mx.array:
+        """The head's output states for true pairs: target states `hidden` (1, n, D),
+        each with the token after it (`tokens`, (1, n)), appended to `cache`."""
+        return self.head(self.target.embed_tokens(tokens), hidden, cache[0])
+
+    def chained(self, tokens: mx.array, out: mx.array, cache: list) -> mx.array:
+        """The next chained entry: the head's own output state with the token it drafted."""
+        return self.head(self.target.embed_tokens(tokens), out, cache[0])
+
+    def make_cache(self) -> list:
+        return self.head.make_cache()
+
+    def batch_logits(self, out: mx.array) -> mx.array:
+        """Logits over the target's vocabulary (B, n, V) of output states (B, n, D)."""
+        return self.target.logits(out)[..., : self.vocab_size]
+
     def _logits(self, out: mx.array) -> mx.array:
-        return self.target.logits(out)[0, -1:, : self.vocab_size].astype(mx.float32)
+        """The newest output state's logits, (1, V) float32."""
+        return self.batch_logits(out)[0, -1:].astype(mx.float32)

@@ -14,7 +14,7 @@ from scheduler.throughput import ThroughputModel
 class SchedulerConfig:
     model: str
     draft_model: str | None = None
-    draft_kind: str = "auto"  # --draft-kind: "model", "dflash", "eagle3"; "auto": its config.json
+    draft_kind: str = "auto"  # --draft-kind: model, dflash, eagle3, assistant; auto: config.json
     gguf_dtype: str | None = None  # GGUF files import as this (None: float32 on CPU, else f16)
     # "tensor" or "pipeline": the target is sharded over the ranks `mlx.launch` started,
     # which repeat this process's forwards (engines/distributed/lockstep.py).

@@ -46,12 +46,12 @@ def add_speculation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft-model",
         help="draft model (path, .gguf, hub id or packaged name) for speculation, or a "
-        "drafter fed the target's hidden states (a DFlash or EAGLE-3 folder, as its "
+        "drafter fed the target's hidden states (DFlash, EAGLE-3, Gemma-4 assistant, as its "
         "config.json says)",
     )
     parser.add_argument(
         "--draft-kind",
-        choices=("auto", "model", "dflash", "eagle3"),
+        choices=("auto", "model", "dflash", "eagle3", "assistant"),
         default="auto",
         help="what --draft-model is (default: read from its config.json)",
     )

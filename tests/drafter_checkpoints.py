@@ -177,3 +177,61 @@ def write_eagle3(
     (out / "config.json").write_text(json.dumps(config))
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     return out
+
+
+def write_assistant(out: Path, target_dir: Path, seed: int = 0, masked: bool = True) -> Path:
+    """A Gemma-4 `-assistant` folder for the Gemma-4 target at `target_dir`: the published
+    config fields (its own 4-layer text config, `backbone_hidden_size` the target's) and
+    key names, random weights, a centroid-masked head (`use_ordered_embeddings`)."""
+    from mlx.utils import tree_flatten, tree_map
+
+    from engines.drafting.gemma4_assistant_model import (
+        Gemma4AssistantConfig,
+        Gemma4AssistantModel,
+    )
+
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    vocab = target["vocab_size"]
+    config = {
+        "architectures": ["Gemma4AssistantForCausalLM"],
+        "model_type": "gemma4_assistant",
+        "backbone_hidden_size": target["hidden_size"],
+        "use_ordered_embeddings": masked,
+        "num_centroids": 16,
+        "centroid_intermediate_top_k": 4,
+        "tie_word_embeddings": True,
+        "block_size": 4,
+        "text_config": {
+            "model_type": "gemma4_text",
+            "hidden_size": 32,
+            "num_hidden_layers": 4,
+            "intermediate_size": 48,
+            "num_attention_heads": 4,
+            "head_dim": target["head_dim"],
+            "global_head_dim": target["global_head_dim"],
+            "num_key_value_heads": target.get("num_key_value_heads", 2),
+            "num_kv_shared_layers": 0,
+            "vocab_size": vocab,
+            "vocab_size_per_layer_input": vocab,
+            "hidden_size_per_layer_input": 0,
+            "sliding_window": target["sliding_window"],
+            "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+            "rope_parameters": target["rope_parameters"],
+            "rms_norm_eps": 1e-6,
+        },
+    }
+    mx.random.seed(seed)
+    model = Gemma4AssistantModel(Gemma4AssistantConfig.from_config(config))
+    model.update(
+        tree_map(
+            lambda p: p + 0.1 * mx.random.normal(p.shape) if p.dtype == mx.float32 else p,
+            model.parameters(),
+        )
+    )
+    weights = dict(tree_flatten(model.parameters()))
+    if masked:
+        weights["masked_embedding.token_ordering"] = mx.random.permutation(vocab).astype(mx.int64)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    return out

@@ -12,6 +12,7 @@ hit and a hybrid target, and that the drafter really drafted.
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 
 import mlx.core as mx
@@ -28,7 +29,7 @@ from engines.single.engine import SpeculativeEngine
 from engines.spec_config import SpecConfig
 from tests.conftest import Reference, make_client, start_scheduler
 from tests.distributions import assert_same_token_distribution
-from tests.drafter_checkpoints import write_dflash, write_eagle3
+from tests.drafter_checkpoints import write_assistant, write_dflash, write_eagle3
 from tests.test_batched_speculation import (
     COST,
     PROMPTS,
@@ -41,13 +42,16 @@ from tests.tiny_archs import build_tiny_arch
 
 GREEDY = SamplingParams(temperature=0.0)
 DFLASH_ONLY = SpeculationOverrides(enable_pld=False)  # the model drafter alone
-KINDS = {  # test name: (--draft-kind, how its checkpoint is written for the tiny target)
-    "dflash": ("dflash", lambda out, target: write_dflash(out, target)),
-    "eagle3": ("eagle3", lambda out, target: write_eagle3(out, target, aux_ids=[0, 1, 2])),
+KINDS = {  # test name: (--draft-kind, its target (None: the tiny Llama), its checkpoint)
+    "dflash": ("dflash", None, lambda out, target: write_dflash(out, target)),
+    "eagle3": ("eagle3", None, lambda out, target: write_eagle3(out, target, aux_ids=[0, 1, 2])),
     "eagle3-speculators": (
         "eagle3",
+        None,
         lambda out, target: write_eagle3(out, target, aux_ids=[1, 0, 2], specforge=False),
     ),
+    # Gemma 4 (sliding-window and KV-shared layers) with its assistant reading its K/V
+    "assistant": ("assistant", "gemma4", lambda out, target: write_assistant(out, target)),
 }
 HYBRID = {  # on a 4-layer Qwen3.5 hybrid; EAGLE-3's ids left null: (2, L//2, L-3)
     "dflash": lambda out, target: write_dflash(out, target, layer_ids=(1, 3), block_size=6),
@@ -56,15 +60,29 @@ HYBRID = {  # on a 4-layer Qwen3.5 hybrid; EAGLE-3's ids left null: (2, L//2, L-
 
 
 @pytest.fixture(scope="module", params=sorted(KINDS))
-def drafter(request, tiny_model_dir, tmp_path_factory):
-    """(kind, drafter folder) for the tiny target."""
-    kind, write = KINDS[request.param]
-    return kind, write(tmp_path_factory.mktemp(request.param) / "drafter", tiny_model_dir)
+def case(request, tiny_model_dir, tmp_path_factory):
+    """(kind, target folder, drafter folder) of one drafter kind."""
+    kind, arch, write = KINDS[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    target = build_tiny_arch(arch, root / "target", tiny_model_dir) if arch else tiny_model_dir
+    return kind, target, write(root / "drafter", target)
 
 
 @pytest.fixture(scope="module")
-def drafter_dir(drafter):
-    return drafter[1]
+def drafter(case):
+    """(kind, drafter folder)."""
+    return case[0], case[2]
+
+
+@pytest.fixture(scope="module")
+def target_dir(case):
+    return case[1]
+
+
+@pytest.fixture(scope="module")
+def reference(target_dir):
+    """mlx-lm's plain decoding of the case's target (this module's, not conftest's)."""
+    return Reference(*load(str(target_dir)))
 
 
 @pytest.fixture(scope="module", params=sorted(HYBRID))
@@ -86,8 +104,9 @@ def make_engines(target_dir, drafter_dir):
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir, drafter_dir):
-    return make_engines(tiny_model_dir, drafter_dir)
+def engines(case):
+    _, target, drafter_dir = case
+    return make_engines(target, drafter_dir)
 
 
 def request(rid, prompt_ids, max_tokens, sampling=GREEDY, speculation=DFLASH_ONLY):
@@ -112,11 +131,12 @@ def feature_drafted(seqs) -> int:
         stats.draft_tokens
         for s in seqs
         for method, stats in s.spec.by_method.items()
-        if method in ("dflash", "eagle3")
+        if method in ("dflash", "eagle3", "assistant")
     )
 
 
 def test_the_drafter_kind_is_read_from_its_config(drafter, tiny_model_dir):
+    """What --draft-model names is recognised from its config.json; a plain model is one."""
     kind, folder = drafter
     assert drafter_kind(str(folder)) == kind
     assert drafter_kind(str(tiny_model_dir)) == "model"
@@ -145,10 +165,16 @@ def test_rows_of_a_batch_each_equal_plain_decoding(engines, reference, n):
     assert drafted > 0 and feature_drafted(seqs.values()) > 0, "rows drafted with DFlash batched"
 
 
-def test_a_request_carries_its_drafter_cache_into_the_batch_and_back(engines, reference):
+def test_a_request_carries_its_drafter_cache_into_the_batch_and_back(engines, drafter, reference):
+    """Its drafter state (DFlash's context cache, EAGLE-3's chain cache, the assistant's
+    newest target state) goes into the batch and back out: it never restarts."""
     spec, batched = engines
     seq, back, _ = round_trip_through_the_batch(spec, batched, reference)
-    assert back.mtp is not None and back.mtp.cache is not None
+    assert back.mtp is not None
+    if drafter[0] == "assistant":  # no cache of its own: it reads the target's K/V
+        assert back.mtp.newest is not None
+    else:
+        assert back.mtp.cache is not None
     assert back.mtp.start == 0, "the drafter saw every position on both sides"
     assert feature_drafted([seq]) > 0
 
@@ -202,7 +228,7 @@ def _second_and_third(engine, prompt_ids, seeds, drafting: bool, batch: int = 16
             stats.accepted_tokens
             for s in seqs.values()
             for method, stats in s.spec.by_method.items()
-            if method in ("dflash", "eagle3")
+            if method in ("dflash", "eagle3", "assistant")
         )
     return pairs, accepted
 
@@ -234,28 +260,31 @@ def test_a_drafter_that_does_not_fit_is_refused_naming_the_field(tiny_model_dir,
     deep = write_eagle3(tmp_path / "eagle-deep", tiny_model_dir, [0, 1, 9])
     with pytest.raises(DrafterRefused, match="aux"):
         load_feature_drafter(str(deep), "eagle3", registry.target)
+    gemma = build_tiny_arch("gemma4", tmp_path / "gemma4", tiny_model_dir)
+    assistant = write_assistant(tmp_path / "assistant", gemma)
+    with pytest.raises(DrafterRefused, match="does not fit"):  # a Llama has no Gemma-4 layers
+        load_feature_drafter(str(assistant), "assistant", registry.target)
 
 
 async def test_served_requests_draft_in_the_batch_and_hit_the_prefix_cache(
-    tiny_model_dir, drafter, reference
+    target_dir, drafter, reference
 ):
     """Three concurrent requests batched with the drafter drafting in the batch, then
-    the first prompt again (a prefix-cache hit): every answer equals mlx-lm, /metrics
-    counts the drafts under the kind's method."""
+    a chat twice (the second a prefix-cache hit: on Gemma 4's sliding windows, from the
+    checkpoint kept at its system prompt): every answer equals mlx-lm's (the chat's
+    equal each other), /metrics counts the drafts under the kind's method."""
     kind, drafter_dir = drafter
-    scheduler = start_scheduler(
-        tiny_model_dir, draft_model=str(drafter_dir), suffix_tokens_per_key=0
-    )
+    scheduler = start_scheduler(target_dir, draft_model=str(drafter_dir), suffix_tokens_per_key=0)
     prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:3]]
-
-    def body(prompt, n):
-        return {
-            "prompt": prompt,
-            "max_tokens": n,
-            "temperature": 0,
-            "ignore_eos": True,
-            "enable_pld": False,
-        }
+    greedy = {"temperature": 0, "ignore_eos": True, "enable_pld": False}
+    chat = {
+        "messages": [
+            {"role": "system", "content": "You are a storyteller. " + PROMPTS[1]},
+            {"role": "user", "content": PROMPTS[0]},
+        ],
+        "max_tokens": 40,
+        **greedy,
+    }
 
     def text(prompt, n):
         detokenizer = reference.tokenizer.detokenizer
@@ -267,18 +296,23 @@ async def test_served_requests_draft_in_the_batch_and_hit_the_prefix_cache(
 
     try:
         async with make_client(scheduler) as client:
-            import asyncio
-
             responses = await asyncio.gather(
-                *(client.post("/v1/completions", json=body(p, 60)) for p in prompts)
+                *(
+                    client.post("/v1/completions", json={"prompt": p, "max_tokens": 60, **greedy})
+                    for p in prompts
+                )
             )
-            again = await client.post("/v1/completions", json=body(prompts[0], 60))
+            first = await client.post("/v1/chat/completions", json=chat)
+            again = await client.post("/v1/chat/completions", json=chat)
             metrics = await scrape(client)
-        for prompt, response in zip([*prompts, prompts[0]], [*responses, again], strict=True):
+        for prompt, response in zip(prompts, responses, strict=True):
             assert response.status_code == 200, response.text
             assert response.json()["choices"][0]["text"] == text(prompt, 60)
-        cached = again.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
-        assert cached > 0, "the repeated prompt started from the prefix cache"
+        assert first.status_code == again.status_code == 200, again.text
+        answer = first.json()["choices"][0]["message"]["content"]
+        assert again.json()["choices"][0]["message"]["content"] == answer
+        cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached > 0, "the repeated chat started from the prefix cache"
         assert value(metrics, "tandem_spec_draft_tokens_total", method=kind) > 0
     finally:
         scheduler.stop()

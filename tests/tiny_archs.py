@@ -85,6 +85,26 @@ CONFIGS: dict[str, dict] = {
         "sliding_window": SLIDING_WINDOW,
         "sliding_window_pattern": 6,
     },
+    "gemma4": {  # Gemma 4's text model: sliding and full layers, the last two KV-shared
+        "model_type": "gemma4_text",
+        "num_hidden_layers": 6,
+        "intermediate_size": 96,
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "num_kv_shared_layers": 2,
+        "hidden_size_per_layer_input": 8,
+        "sliding_window": SLIDING_WINDOW,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        "rope_parameters": {
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+        "final_logit_softcapping": 30.0,
+    },
     "lfm2": {
         "model_type": "lfm2",
         "num_hidden_layers": 4,
@@ -190,6 +210,8 @@ def build_tiny_arch(
         "vocab_size": base["vocab_size"],
         "eos_token_id": base["eos_token_id"],
     }
+    if config["model_type"] == "gemma4_text":  # per-layer inputs for every token id
+        config["vocab_size_per_layer_input"] = base["vocab_size"]
     arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(config))

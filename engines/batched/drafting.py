@@ -311,7 +311,7 @@ class DraftModelRows:
         for row, length in zip(rows, fed, strict=True):
             row.draft_fed = row.tokens[:length]
 
-    def draft(self, cache: list, rows: list[BatchRow]) -> tuple[int, bool]:
+    def draft(self, cache: list, rows: list[BatchRow], target=None) -> tuple[int, bool]:
         """(draft forwards run, whether every row was caught up: a steady cost)."""
         fed = [rows[i] for i in self.drafting_rows(rows)]
         steady = all(len(row.tokens) - len(row.draft_fed) <= 2 for row in fed)

@@ -257,7 +257,7 @@ class BatchedSpeculativeEngine(BatchMembership):
         and no row keeps a model draft (`containment.contain_draft_failure`)."""
         started = time.perf_counter()
         try:
-            forwards, steady = self.model_drafter.draft(self.draft_cache, self.rows)
+            forwards, steady = self.model_drafter.draft(self.draft_cache, self.rows, self.cache)
         except Exception as exc:  # noqa: BLE001 - a draft only proposes: every row goes on
             contain_draft_failure(self.model_drafter, self.draft_cache, self.rows, exc)
             return False

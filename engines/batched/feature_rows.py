@@ -101,7 +101,9 @@ class FeatureRows(BatchedMTP):
                 state.pending_hidden, state.pending_tokens, state.pending = [], [], 0
         return logits
 
-    def draft(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> tuple[int, bool]:
+    def draft(
+        self, cache: list[RaggedKVCache], rows: list[BatchRow], target: list | None = None
+    ) -> tuple[int, bool]:
         """`row.draft_length` drafts for every row drafting with DFlash whose state has
         seen its newest token but one (others draft nothing), in one forward."""
         steady = all(row.mtp is None or row.mtp.pending <= 2 for row in rows)

@@ -170,7 +170,9 @@ class BatchedMTP:
 
     # ---- drafting -------------------------------------------------------------------
 
-    def draft(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> tuple[int, bool]:
+    def draft(
+        self, cache: list[RaggedKVCache], rows: list[BatchRow], target: list | None = None
+    ) -> tuple[int, bool]:
         """`row.draft_length` drafts for every row whose method is MTP and whose head
         has seen its newest token (the others draft nothing this step). Returns the
         head forwards the chain ran, and whether no row had a backlog to catch up."""

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from engines.batched.assistant_rows import AssistantRows
 from engines.batched.drafting import DraftModelRows
 from engines.batched.feature_rows import Eagle3Rows, FeatureRows
 from engines.batched.mtp import BatchedMTP
-from engines.drafting.draft import DFLASH, DRAFT, EAGLE3
+from engines.drafting.draft import ASSISTANT, DFLASH, DRAFT, EAGLE3
 from engines.drafting.kinds import ModelDrafterSetup
 from engines.model.registry import ModelRegistry
 
@@ -26,6 +27,8 @@ def rows_drafter(
         return DraftModelRows(registry.draft.model, setup.vocab_size, chunk)
     if setup.method == DFLASH:
         return FeatureRows(setup, guarded)
+    if setup.method == ASSISTANT:
+        return AssistantRows(setup.single, setup.features, guarded, setup.vocab_size)
     if setup.method == EAGLE3:
         return Eagle3Rows(setup.single, setup.features, guarded, setup.vocab_size)
     return BatchedMTP(setup.single, setup.features, guarded, setup.vocab_size)

@@ -26,8 +26,9 @@ MTP = "mtp"  # the model's own multi-token-prediction head (engines.drafting.mtp
 SUFFIX = "suffix"  # the API key's recent requests (engines.drafting.suffix)
 DFLASH = "dflash"  # a DFlash block drafter fed the target's layers (feature_drafters)
 EAGLE3 = "eagle3"  # an EAGLE-3 speculator fed the target's layers (feature_drafters)
+ASSISTANT = "assistant"  # Gemma-4's assistant, reading the target's K/V (drafting.assistant)
 # the model drafters: one drafts at a time, under the one DRAFT gate
-MODEL_DRAFTERS = (DRAFT, MTP, DFLASH, EAGLE3)
+MODEL_DRAFTERS = (DRAFT, MTP, DFLASH, EAGLE3, ASSISTANT)
 LOOKUPS = (PLD, SUFFIX)  # drafters that copy tokens: free to make, gated by match length
 
 

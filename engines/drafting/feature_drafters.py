@@ -27,16 +27,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from engines.drafting.draft import DFLASH, EAGLE3, Draft, DraftStopRule
+from engines.drafting.draft import ASSISTANT, DFLASH, EAGLE3, Draft, DraftStopRule
 from engines.drafting.draft_model import chain_drafts
 from engines.drafting.mtp import MTPDrafter, MTPState
-from engines.model.taps import INPUT, OUTPUT, LayerTaps, decoder_layers
+from engines.model.taps import FINAL, INPUT, OUTPUT, LayerTaps, decoder_layers
 from engines.request import SamplingParams
 from engines.sample.sampling import RandomStream
 
 log = logging.getLogger(__name__)
 
-KINDS = ("model", DFLASH, EAGLE3)  # --draft-kind; "auto" reads the drafter's config
+KINDS = ("model", DFLASH, EAGLE3, ASSISTANT)  # --draft-kind; "auto" reads the drafter's config
 
 
 class DrafterRefused(ValueError):
@@ -53,12 +53,15 @@ def drafter_kind(path: str, forced: str | None = None) -> str:
         return "model"
     from engines.drafting.dflash_model import is_dflash_config
     from engines.drafting.eagle3_model import is_eagle3_config
+    from engines.drafting.gemma4_assistant_model import is_gemma4_assistant_config
 
     config = json.loads(config_file.read_text())
     if is_dflash_config(config):
         return DFLASH
     if is_eagle3_config(config):
         return EAGLE3
+    if is_gemma4_assistant_config(config):
+        return ASSISTANT
     return "model"
 
 
@@ -72,6 +75,8 @@ class FeatureDrafter:
     block_size: int  # DFlash's trained block (drafts per forward + 1); 0: a chain
     path: str
     feature_width: int  # the tapped states' width: taps x the target's hidden size
+    # the assistant's: {layer type: target cache index} of the K/V it reads
+    shared: dict[str, int] | None = None
 
     def describe(self) -> str:
         taps = ", ".join(f"{where} of layer {index}" for index, where in self.taps.points)
@@ -94,18 +99,23 @@ def load_feature_drafter(path: str, kind: str, target: Any) -> FeatureDrafter:
             module, points, block = _load_dflash(folder, model, hidden, layers, rows)
         elif kind == EAGLE3:
             module, points, block = _load_eagle3(folder, model, hidden, layers, rows)
+        elif kind == ASSISTANT:
+            module, points, block = _load_assistant(folder, model)
         else:
             raise DrafterRefused(f"--draft-kind {kind}: not a feature drafter ({KINDS})")
         taps = LayerTaps(model, points)
         if kind == DFLASH:
             module.bind(taps.embed_tokens, taps.logits)
-        else:  # the target's embedding, unless the checkpoint has its own
+        elif kind == EAGLE3:  # the target's embedding, unless the checkpoint has its own
             module.bind(taps.embed_tokens)
+        else:  # checks the target's layers and takes its embedding
+            module.bind(model)
     except ValueError as exc:  # each module's DrafterMismatch names the field
         if isinstance(exc, DrafterRefused):
             raise
         raise DrafterRefused(f"--draft-model {path} does not fit {target.path}: {exc}") from exc
-    return FeatureDrafter(kind, module, taps, block, path, len(points) * hidden)
+    shared = module.shared_layers(model) if kind == ASSISTANT else None
+    return FeatureDrafter(kind, module, taps, block, path, len(points) * hidden, shared)
 
 
 def _load_dflash(folder: Path, model: Any, hidden: int, layers: int, rows: int):
@@ -115,6 +125,14 @@ def _load_dflash(folder: Path, model: Any, hidden: int, layers: int, rows: int):
     dflash_model.check_fits(module.config, hidden, layers, rows)
     points = tuple((i, OUTPUT) for i in dflash_model.tap_layers(module.config))
     return module, points, int(module.config.block_size)
+
+
+def _load_assistant(folder: Path, model: Any):
+    """Gemma-4's assistant reads the final-norm state; its K/V come from the cache."""
+    from engines.drafting import gemma4_assistant_model
+
+    module = gemma4_assistant_model.load_gemma4_assistant(folder, TapsInfo.dtype(model))
+    return module, ((-1, FINAL),), 0
 
 
 def _load_eagle3(folder: Path, model: Any, hidden: int, layers: int, rows: int):

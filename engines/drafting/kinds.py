@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engines.drafting.draft import EAGLE3, ModelDrafter
+from engines.drafting.assistant import AssistantDrafter, AssistantStepModel
+from engines.drafting.draft import ASSISTANT, EAGLE3, ModelDrafter
 from engines.drafting.draft_model import DraftModelDrafter
 from engines.drafting.feature_drafters import (
     DFlashDrafter,
@@ -64,6 +65,10 @@ def model_drafter(registry: ModelRegistry, vocab_size: int, chunk: int) -> Model
 
 def feature_setup(loaded: FeatureDrafter, vocab_size: int) -> ModelDrafterSetup:
     """The setup of a loaded feature drafter: fed the tapped layers of every forward."""
+    if loaded.kind == ASSISTANT:
+        assistant = AssistantDrafter(loaded, vocab_size)
+        step = AssistantStepModel(assistant, loaded.taps.model, loaded.feature_width)
+        return ModelDrafterSetup(assistant.method, assistant, step, loaded.taps, vocab_size)
     if loaded.kind == EAGLE3:
         chain = Eagle3Drafter(loaded, vocab_size)
         step = Eagle3StepModel(chain)

@@ -46,6 +46,9 @@ class MTPState:
     pending: int = 0
     newest: mx.array | None = None  # the head's output at its newest true entry (1, 1, D)
     caught_up: int = 0  # pairs the last proposal fed before drafting
+    # the request's own target cache, which Gemma-4's assistant reads (set by the
+    # single-stream engine before a proposal; unused by the other drafters)
+    target_cache: list | None = None
     catch_up_seconds: float = 0.0  # never separated: catching up is one small forward
 
     @property

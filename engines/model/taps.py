@@ -9,7 +9,10 @@ keeps what flows out of (or into) the layer: every architecture that loops over 
 subclass calls the layer's own `__call__`; the parameter tree is untouched).
 
 Points are `(layer index, "output" | "input")`: DFlash's `target_layer_ids` name
-layer outputs, EAGLE-3's aux ids name layer inputs (off by one from each other).
+layer outputs, EAGLE-3's aux ids name layer inputs (off by one from each other);
+`(-1, "final")` is the backbone's final norm output (what Gemma-4's assistant reads:
+the state the LM head projects, without splitting the forward, so logits keep the
+model's own final softcap).
 
 Owned by the engine thread, like the model: `forward` arms, runs, disarms.
 """
@@ -22,7 +25,7 @@ import mlx.core as mx
 
 from engines.model.mtp import TargetParts
 
-OUTPUT, INPUT = "output", "input"
+OUTPUT, INPUT, FINAL = "output", "input", "final"
 
 
 def decoder_layers(model: Any) -> list:
@@ -45,16 +48,20 @@ class LayerTaps:
         self.captured: dict[tuple[int, str], mx.array] = {}
         self.armed = False
         layers = decoder_layers(model)
-        for index in sorted({index for index, _ in points}):
+        for index in sorted({index for index, where in points if where != FINAL}):
             _install(layers[index], index, self)
+        if any(where == FINAL for _, where in points):
+            text = getattr(model, "language_model", model)
+            _install(text.model.norm, -1, self)
 
     def record(self, index: int, inputs: mx.array, output: Any) -> None:
         if not self.armed:
             return
         if (index, INPUT) in self.points:
             self.captured[(index, INPUT)] = inputs
-        if (index, OUTPUT) in self.points:
-            self.captured[(index, OUTPUT)] = output[0] if isinstance(output, tuple) else output
+        for where in (OUTPUT, FINAL):
+            if (index, where) in self.points:
+                self.captured[(index, where)] = output[0] if isinstance(output, tuple) else output
 
     def forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
         """(logits, tapped states) of one target forward over `tokens` (B, n)."""

@@ -159,6 +159,7 @@ class SpeculativeEngine:
         self.active = None
         if active.seq.finished:
             return None, result
+        active.mtp.target_cache = None  # the next engine sets what it reads
         state = SequenceState(
             active.seq,
             active.cache,
@@ -274,7 +275,7 @@ class SpeculativeEngine:
             following = active.tokens[active.cached + 1 : active.cached + 1 + chunk.size]
             active.mtp.observe(active.cached, hidden[0], mx.array(following))
             self.drafter.feed(active.mtp)
-            mx.eval([c.state for c in active.cache], [c.state for c in active.mtp.cache])
+            mx.eval([c.state for c in active.cache], [c.state for c in active.mtp.cache or []])
         else:
             self.model(chunk[None], cache=active.cache)
             mx.eval([c.state for c in active.cache])
@@ -332,7 +333,10 @@ class SpeculativeEngine:
         return self.target_parts.forward(tokens[None], active.cache)
 
     def _drafter_state(self, active: Active) -> DraftState | MTPState:
-        return active.mtp if getattr(self.drafter, "fed_with_target", False) else active.draft
+        if getattr(self.drafter, "fed_with_target", False):
+            active.mtp.target_cache = active.cache  # what an assistant drafter reads
+            return active.mtp
+        return active.draft
 
     def _commit_in_flight(self, pipeline: bool) -> list[StepOutput]:
         active = self.active

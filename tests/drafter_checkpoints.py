@@ -101,11 +101,11 @@ def write_eagle3(
     (`midlayer.*`, no embedding: it uses the target's) or the `speculators` one
     (`layers.0.*`, its own embedding). `aux_ids` None leaves them null in the config
     (the default then comes from the target's layer count); `draft_vocab` keeps that
-    many target ids, a sorted random subset mapped by `d2t`."""
+    many target ids (default half; 0: all), a sorted random subset mapped by `d2t`."""
     target = json.loads((Path(target_dir) / "config.json").read_text())
     target = target.get("text_config", target)
     hidden, vocab = target["hidden_size"], target["vocab_size"]
-    draft_vocab = draft_vocab or vocab // 2
+    draft_vocab = vocab // 2 if draft_vocab is None else draft_vocab or vocab
     heads, kv, head_dim, inter = 4, 2, hidden // 4, 2 * hidden
     # trained for a target of another width, when a test says so (then fc reads that)
     target_hidden = overrides.pop("target_hidden_size", hidden)
@@ -168,7 +168,7 @@ def write_eagle3(
         p + "mlp.up_proj.weight": normal(inter, hidden, scale=0.1),
         p + "mlp.down_proj.weight": normal(hidden, inter, scale=0.1),
         "norm.weight": norm(),
-        "lm_head.weight": normal(draft_vocab, hidden, scale=0.5),
+        "lm_head.weight": normal(draft_vocab, hidden, scale=0.02),  # a flat q: overlaps p
         "d2t": (kept - mx.arange(draft_vocab)).astype(mx.int64),
     }
     if not specforge:

@@ -44,7 +44,12 @@ GREEDY = SamplingParams(temperature=0.0)
 DFLASH_ONLY = SpeculationOverrides(enable_pld=False)  # the model drafter alone
 KINDS = {  # test name: (--draft-kind, its target (None: the tiny Llama), its checkpoint)
     "dflash": ("dflash", None, lambda out, target: write_dflash(out, target)),
-    "eagle3": ("eagle3", None, lambda out, target: write_eagle3(out, target, aux_ids=[0, 1, 2])),
+    # SpecForge's format scoring every id; `speculators`' a reduced vocabulary (half)
+    "eagle3": (
+        "eagle3",
+        None,
+        lambda out, target: write_eagle3(out, target, aux_ids=[0, 1, 2], draft_vocab=0),
+    ),
     "eagle3-speculators": (
         "eagle3",
         None,
@@ -272,7 +277,8 @@ async def test_served_requests_draft_in_the_batch_and_hit_the_prefix_cache(
     """Three concurrent requests batched with the drafter drafting in the batch, then
     a chat twice (the second a prefix-cache hit: on Gemma 4's sliding windows, from the
     checkpoint kept at its system prompt): every answer equals mlx-lm's (the chat's
-    equal each other), /metrics counts the drafts under the kind's method."""
+    equal each other), /metrics counts the drafts under the kind's method, and sampled
+    answers tag the tokens drafted by the kind as its (the web page's colours)."""
     kind, drafter_dir = drafter
     scheduler = start_scheduler(target_dir, draft_model=str(drafter_dir), suffix_tokens_per_key=0)
     prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:3]]
@@ -296,6 +302,13 @@ async def test_served_requests_draft_in_the_batch_and_hit_the_prefix_cache(
 
     try:
         async with make_client(scheduler) as client:
+            # first, one at a time, before greedy rejections lower the batch's prior; seeded,
+            # so the same tokens are drafted and accepted on every run
+            sampled = {**chat, "temperature": 1.0, "max_tokens": 60, "tandem_token_sources": True}
+            tagged = [
+                await client.post("/v1/chat/completions", json={**sampled, "seed": seed})
+                for seed in range(6)
+            ]
             responses = await asyncio.gather(
                 *(
                     client.post("/v1/completions", json={"prompt": p, "max_tokens": 60, **greedy})
@@ -314,5 +327,8 @@ async def test_served_requests_draft_in_the_batch_and_hit_the_prefix_cache(
         cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached > 0, "the repeated chat started from the prefix cache"
         assert value(metrics, "tandem_spec_draft_tokens_total", method=kind) > 0
+        # the web page colours a token by the drafter whose draft it was
+        sources = {e["source"] for answer in tagged for e in answer.json()["token_sources"]}
+        assert kind in sources, [answer.json().get("speculation") for answer in tagged]
     finally:
         scheduler.stop()

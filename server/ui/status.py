@@ -22,6 +22,9 @@ METHOD_NAMES = {
     "suffix": "earlier requests",
     "draft": "draft model",
     "mtp": "MTP head",
+    "dflash": "DFlash drafter",
+    "eagle3": "EAGLE-3 drafter",
+    "assistant": "assistant drafter",
 }
 OWN_REQUESTS = 12  # the caller's latest finished requests shown
 

@@ -7,7 +7,7 @@
   const POLL_MS = 1000;
   const SLOTS = 300; // samples kept: five minutes at one a second
   const KEY = "tandem.apiKey";
-  const METHOD_ORDER = ["pld", "draft", "mtp"];
+  const METHOD_ORDER = ["pld", "draft", "mtp", "dflash", "eagle3", "assistant"];
   const TPS_WINDOW = 2; // samples a tokens/s point averages over
   const ACCEPT_WINDOW = 10; // ... an acceptance or time-to-first-token point
   const history = []; // samples of the counters, oldest first (see sampleOf)

@@ -8,6 +8,9 @@ const TandemChat = (() => {
     pld: "prompt lookup",
     draft: "draft model",
     mtp: "MTP head",
+    dflash: "DFlash drafter",
+    eagle3: "EAGLE-3 drafter",
+    assistant: "assistant drafter",
     target: "target model",
   };
 

@@ -1,6 +1,6 @@
 """Speculative speed-up suite at concurrency 1, side by side in one run.
 
-    tandem bench spec MODEL [--draft-model D | --mtp [--mtp-weights W]]
+    tandem bench spec MODEL [--draft-model D | --random-drafter KIND | --mtp [--mtp-weights W]]
                             [--num-draft-tokens K] [--sets echo,novel]
 
 For each prompt set it decodes every prompt greedily with:
@@ -8,7 +8,11 @@ For each prompt set it decodes every prompt greedily with:
   mlx-lm+draft  mlx-lm's own `speculative_generate_step`, fixed k (the peer's speculation)
   plain       Tandem's engine with drafting off (k = 0): the server's own overhead
   draft       Tandem with the draft model only (its vocabulary reduced as the server's
-              --draft-vocab would, `--draft-vocab` here)
+              --draft-vocab would, `--draft-vocab` here) -- or with a drafter fed the
+              target's hidden states, when --draft-model names one (DFlash, EAGLE-3,
+              Gemma-4 assistant; `--random-drafter KIND` writes a random-weight one for
+              MODEL: it accepts almost nothing, so its row shows what the gates leave of
+              a drafter that does not pay -- close to `plain`)
   draft-whole the same with the draft's whole vocabulary (a second engine, same run)
   pld         Tandem with prompt lookup only
   draft+pld   Tandem with both
@@ -161,7 +165,14 @@ def overrides_for(config: str):
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="tandem bench spec", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="model path/hub id, or random-100m / wide-stories")
-    parser.add_argument("--draft-model", help="draft model (enables the draft configs)")
+    parser.add_argument(
+        "--draft-model", help="draft model or feature drafter folder (the draft configs)"
+    )
+    parser.add_argument(
+        "--random-drafter",
+        choices=("dflash", "eagle3", "assistant"),
+        help="a random-weight drafter of this kind for MODEL (what gating leaves of it)",
+    )
     parser.add_argument(
         "--mtp", action="store_true", help="draft with the model's MTP head (the mtp configs)"
     )
@@ -200,19 +211,25 @@ def main(argv: list[str] | None = None) -> dict:
         "--draft-vocab` (default: the server's automatic size; 0 = all)",
     )
     args = parser.parse_args(argv)
-    if args.mtp and args.draft_model:
-        parser.error("--mtp and --draft-model: one model drafter at a time (as in the server)")
+    if sum(map(bool, (args.mtp, args.draft_model, args.random_drafter))) > 1:
+        parser.error("--mtp, --draft-model, --random-drafter: one model drafter at a time")
 
     import mlx.core as mx
 
     from bench.models import resolve_model
     from engines.drafting.draft_vocab import describe_vocabulary, reduce_draft_vocab
+    from engines.drafting.feature_drafters import drafter_kind, load_feature_drafter
     from engines.model.registry import ModelRegistry
     from engines.platform.blas import describe_blas
 
     model_path = resolve_model(args.model)
     draft_path = resolve_model(args.draft_model) if args.draft_model else None
-    registry = ModelRegistry.load(model_path, draft_path)
+    if args.random_drafter:
+        draft_path = str(random_drafter(args.random_drafter, model_path))
+    kind = drafter_kind(draft_path) if draft_path else None
+    registry = ModelRegistry.load(model_path, draft_path if kind == "model" else None)
+    if kind not in (None, "model"):  # its rows are `draft`; no draft LM for mlx-lm's rows
+        registry.feature_drafter = load_feature_drafter(draft_path, kind, registry.target)
     whole_draft = registry.draft.model if registry.draft else None  # mlx-lm's, draft-whole's
     if registry.draft:
         registry.draft.model = reduce_draft_vocab(whole_draft, registry.tokenizer, args.draft_vocab)
@@ -229,6 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
     for config in CONFIGS:
         if config not in wanted or (not draft_path and "draft" in config):
             continue
+        if whole_draft is None and config in ("mlx-lm+draft", "draft-whole"):
+            continue  # a feature drafter: mlx-lm has no such drafter, nor a whole/reduced pair
         if config.startswith("mtp") and not args.mtp:
             continue
         configs += [f"{config} k={k}" for k in peer_ks] if config == "mlx-lm+draft" else [config]
@@ -236,7 +255,9 @@ def main(argv: list[str] | None = None) -> dict:
         configs.insert(0, "mlx-lm")  # the reference every output is checked against
 
     print(f"model   {args.model} -> {model_path}")
-    print(f"draft   {args.draft_model} -> {draft_path}")
+    print(f"draft   {args.draft_model or args.random_drafter} -> {draft_path} ({kind})")
+    if registry.feature_drafter is not None:
+        print(f"drafter {registry.feature_drafter.describe()}")
     if args.mtp:
         print(f"mtp     the model's own head, weights from {args.mtp_weights or 'the model'}")
     print(
@@ -249,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"k<={args.num_draft_tokens or 'server default'}, "
         f"{args.runs} run(s) with a fresh engine each"
     )
-    if draft_path:
+    if whole_draft is not None:
         hello = tokenizer.encode("Hello")
         target_rate, _ = run_mlx_lm(registry.target.model, hello, 32)
         draft_rate, _ = run_mlx_lm(whole_draft, hello, 32)
@@ -269,6 +290,24 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"engine  run {run + 1}: {engine.describe()}")
         runs.append(run_sets(engines, registry, whole_draft, configs, args))
     return report(runs, args.json)
+
+
+def random_drafter(kind: str, model_path: str) -> Path:
+    """A random-weight drafter of `kind` for the model at `model_path` (a local folder),
+    written once beside Tandem's other cached benchmark files."""
+    from bench.drafter_checkpoints import write_assistant, write_dflash, write_eagle3
+    from engines.model.cache_paths import tandem_cache_root
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    layers = config.get("text_config", config)["num_hidden_layers"]
+    out = tandem_cache_root() / "bench-drafters" / f"{Path(model_path).name}-{kind}"
+    if (out / "config.json").exists():
+        return out
+    if kind == "dflash":
+        return write_dflash(out, Path(model_path), layer_ids=(1, layers // 2, layers - 2))
+    if kind == "eagle3":
+        return write_eagle3(out, Path(model_path))
+    return write_assistant(out, Path(model_path))
 
 
 def fresh_engine(registry, k: int | None, draft_model=None):

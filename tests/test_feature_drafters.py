@@ -29,7 +29,7 @@ from engines.single.engine import SpeculativeEngine
 from engines.spec_config import SpecConfig
 from tests.conftest import Reference, make_client, start_scheduler
 from tests.distributions import assert_same_token_distribution
-from tests.drafter_checkpoints import write_assistant, write_dflash, write_eagle3
+from bench.drafter_checkpoints import write_assistant, write_dflash, write_eagle3
 from tests.test_batched_speculation import (
     COST,
     PROMPTS,

@@ -11,6 +11,8 @@ in time (a slow stage is stopped, the next one runs, the summary says which ran)
   models          random-weight bfloat16 models built on the device (`bench.device_models`)
   verify-*        a verify's cost against a plain step, 1-16 tokens x 1-16 rows
                   (`bench.device_verify`)
+  drafters-1b     one proposal of each downloaded-drafter kind (DFlash, EAGLE-3) against a
+                  plain step, 1-16 rows (`bench.drafter_cost`)
   single-*        one stream: Tandem's draft model against mlx-lm's
                   `speculative_generate_step` at each fixed k (`tandem bench spec`)
   hybrid-pld-1b   `tandem bench hybrid` with prompt lookup on output that repeats
@@ -142,6 +144,29 @@ def plan(sizes: Sizes, models: Path, work: Path) -> list[Stage]:
                 (f"llama-{size}",),
             )  # fmt: skip
         )
+    out = work / "drafters-1b.json"  # each downloaded-drafter kind's proposal vs a step
+    stages.append(
+        Stage(
+            "drafters-1b",
+            25,
+            [
+                python,
+                "-m",
+                "bench.drafter_cost",
+                str(models / "llama-1b"),
+                "--rows",
+                sizes.verify_rows,
+                "--context",
+                str(sizes.verify_context),
+                "--repeats",
+                str(sizes.verify_repeats),
+                "--json",
+                str(out),
+            ],
+            [str(out)],
+            ("llama-1b",),
+        )  # fmt: skip
+    )
     for size in sizes_to_run:
         out = work / f"single-{size}.json"
         limit = sizes.spec_limit if size == "1b" else max(1, sizes.spec_limit - 1)

@@ -49,7 +49,7 @@ def check_brought_back(out: Path) -> None:
 @pytest.mark.slow
 def test_dry_run_measures_every_kind_of_stage_against_mlx_lm(tmp_path):
     started = time.monotonic()
-    stages = "models,verify-1b,single-1b,hybrid-draft-1b,tests"
+    stages = "models,verify-1b,drafters-1b,single-1b,hybrid-draft-1b,tests"
     out, report, stdout = run_script(tmp_path, "--only", stages, timeout=240)
     check_brought_back(out)
     ran = report["stages"]
@@ -63,6 +63,11 @@ def test_dry_run_measures_every_kind_of_stage_against_mlx_lm(tmp_path):
     assert {(c["rows"], c["tokens"]) for c in cells} == {(b, t) for b in (1, 2) for t in (1, 2, 4)}
     one = next(c for c in cells if c["rows"] == 1 and c["tokens"] == 1)
     assert one["vs_plain_step"] == 1.0 and all(c["ms"] > 0 for c in cells)
+
+    drafters = ran["drafters-1b"]["result"]
+    assert drafters["kinds"] == ["dflash", "eagle3"]
+    assert [row["rows"] for row in drafters["rows"]] == [1, 2]
+    assert all(row[kind] > 0 for row in drafters["rows"] for kind in ("target", *drafters["kinds"]))
 
     novel = ran["single-1b"]["result"]["novel"]
     assert {"mlx-lm", "mlx-lm+draft k=2", "mlx-lm+draft k=4", "plain", "draft"} <= set(novel)
@@ -94,8 +99,8 @@ def test_whole_dry_run_runs_every_stage_within_its_budget(tmp_path):
     check_brought_back(out)
     statuses = {name: s["status"] for name, s in report["stages"].items()}
     assert statuses == dict.fromkeys(
-        ["models", "verify-1b", "single-1b", "hybrid-pld-1b", "hybrid-draft-1b", "tests",
-         "hybrid-mtp-1b"], "ok")  # fmt: skip
+        ["models", "verify-1b", "drafters-1b", "single-1b", "hybrid-pld-1b", "hybrid-draft-1b",
+         "tests", "hybrid-mtp-1b"], "ok")  # fmt: skip
     assert report["stages"]["hybrid-mtp-1b"]["result"]["modes"]["hybrid"]["levels"]
 
 
@@ -105,7 +110,8 @@ def test_full_plan_measures_what_the_issue_asks_for():
         capture_output=True, text=True, cwd=REPO, timeout=60, check=True,
     )  # fmt: skip
     plan = dict(line.split(" (", 1) for line in done.stdout.splitlines())
-    assert list(plan) == ["models", "verify-1b", "verify-8b", "single-1b", "single-8b",
+    assert list(plan) == ["models", "verify-1b", "verify-8b", "drafters-1b", "single-1b",
+                          "single-8b",
                           "hybrid-pld-1b", "hybrid-draft-1b", "hybrid-draft-8b", "tests",
                           "hybrid-mtp-1b"]  # fmt: skip
     assert "--profile full" in plan["models"]

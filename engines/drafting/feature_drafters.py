@@ -45,11 +45,12 @@ class DrafterRefused(ValueError):
 
 def drafter_kind(path: str, forced: str | None = None) -> str:
     """ "model" (a draft language model) or a feature drafter's kind, from the
-    drafter folder's `config.json` (a hub id or GGUF file is a draft model)."""
+    drafter's `config.json`: a local folder's, or a hub id's (fetched alone; a GGUF file,
+    a packaged name, or a config that cannot be had is a draft model's)."""
     if forced and forced != "auto":
         return forced
-    config_file = Path(path).expanduser() / "config.json"
-    if not config_file.is_file():
+    config_file = _config_file(path)
+    if config_file is None:
         return "model"
     from engines.drafting.dflash_model import is_dflash_config
     from engines.drafting.eagle3_model import is_eagle3_config
@@ -63,6 +64,28 @@ def drafter_kind(path: str, forced: str | None = None) -> str:
     if is_gemma4_assistant_config(config):
         return ASSISTANT
     return "model"
+
+
+def _config_file(path: str) -> Path | None:
+    local = Path(path).expanduser()
+    if local.exists() or path.startswith(("/", "./", "../", "~")) or path.count("/") != 1:
+        return local / "config.json" if (local / "config.json").is_file() else None
+    try:  # a hub id: its config alone, from the local hub cache or the hub
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(path, "config.json"))
+    except Exception:  # noqa: BLE001 - offline or not there: mlx-lm's load will say
+        return None
+
+
+def drafter_folder(path: str) -> Path:
+    """The drafter's files: a local folder, or a hub id's snapshot (fetched once)."""
+    local = Path(path).expanduser()
+    if local.exists():
+        return local
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors"]))
 
 
 @dataclass
@@ -87,7 +110,7 @@ class FeatureDrafter:
 def load_feature_drafter(path: str, kind: str, target: Any) -> FeatureDrafter:
     """Load the `kind` drafter at `path` for `target` (a `LoadedModel`); refuse one that
     does not fit it, naming the field."""
-    folder = Path(path).expanduser()
+    folder = drafter_folder(path)
     if not (folder / "config.json").is_file():
         raise DrafterRefused(f"--draft-model {path}: a {kind} drafter is a folder with config.json")
     model = target.model

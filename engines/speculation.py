@@ -14,7 +14,7 @@ changed only on it (the scheduler's stats read snapshots taken there).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engines.drafting.draft import ModelDrafter
 from engines.drafting.kinds import ModelDrafterSetup, model_drafter
@@ -59,6 +59,8 @@ def build_speculation(
         registry.target.model, setup.step_model if setup else None, limits.k_cap + 1
     )
     measured = measured.extended(limits.pld_cap + 1)  # then learned as verifies are served
+    if setup is not None and setup.block:  # its draft cost is per proposal, not per token
+        measured = replace(measured, block_draft=True)
     return Speculation(
         config=config,
         totals=totals,

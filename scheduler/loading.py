@@ -20,7 +20,11 @@ from engines.cache.rollback import (
     supports_snapshot,
 )
 from engines.drafting.draft_vocab import reduce_draft_vocab
-from engines.drafting.feature_drafters import drafter_kind, load_feature_drafter
+from engines.drafting.feature_drafters import (
+    DrafterRefused,
+    drafter_kind,
+    load_feature_drafter,
+)
 from engines.gating.measured_costs import CostModel
 from engines.model.mtp import (
     MTPUnavailable,
@@ -73,6 +77,12 @@ def load_model(config: SchedulerConfig) -> Loaded:
     Runs on the engine thread (MLX streams are thread-local)."""
     log.info("loading model %s", config.model)
     kind = drafter_kind(config.draft_model, config.draft_kind) if config.draft_model else None
+    if kind not in (None, "model") and config.distributed:
+        raise DrafterRefused(
+            f"--draft-model {config.draft_model}: a {kind} drafter reads the target's hidden "
+            "states, which a sharded target (--distributed) keeps on other ranks; serve it "
+            "without --distributed, or draft with a draft model"
+        )
     registry = ModelRegistry.load(
         config.model,
         config.draft_model if kind == "model" else None,

@@ -332,3 +332,19 @@ async def test_served_requests_draft_in_the_batch_and_hit_the_prefix_cache(
         assert kind in sources, [answer.json().get("speculation") for answer in tagged]
     finally:
         scheduler.stop()
+
+
+def test_a_block_drafter_is_costed_per_proposal(engines, drafter):
+    """DFlash drafts k tokens in one forward: its draft cost does not grow with k (the
+    gates, the stop rule and the batch's K would otherwise cut its blocks short); the
+    chained kinds pay per token."""
+    spec, batched = engines
+    cost = spec.costs.model()
+    assert cost.draft_step > 0
+    if drafter[0] == "dflash":
+        assert cost.block_draft and cost.draft_cost(7) == cost.draft_cost(1)
+        assert batched.costs.step_cost(2, 7, True) - batched.costs.step_cost(2, 7, False) == (
+            batched.costs.step_cost(2, 1, True) - batched.costs.step_cost(2, 1, False)
+        )
+    else:
+        assert not cost.block_draft and cost.draft_cost(7) == 7 * cost.draft_cost(1)

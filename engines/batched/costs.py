@@ -241,6 +241,8 @@ class BatchCosts:
     ) -> float:
         cost = self.target_cost(rows * (1 + k))
         steps = k if draft_steps is None else min(k, draft_steps)
+        if self.prior.block_draft:  # one drafter forward drafts the whole proposal
+            steps = min(steps, 1)
         return cost + (steps * self.draft_cost(rows) if draft_model and k else 0.0)
 
     def explore(self, choice: BatchPlan, plans: dict[BatchPlan, float], rows: int) -> BatchPlan:

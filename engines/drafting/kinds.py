@@ -43,6 +43,7 @@ class ModelDrafterSetup:
     step_model: Any
     features: Any = None
     vocab_size: int = 0  # the logits a draft scores: the target's and drafter's shared rows
+    block: bool = False  # a proposal is one drafter forward, whatever its length (DFlash)
 
 
 def model_drafter(registry: ModelRegistry, vocab_size: int, chunk: int) -> ModelDrafterSetup | None:
@@ -74,6 +75,5 @@ def feature_setup(loaded: FeatureDrafter, vocab_size: int) -> ModelDrafterSetup:
         step = Eagle3StepModel(chain)
         return ModelDrafterSetup(chain.method, chain, step, loaded.taps, vocab_size)
     drafter = DFlashDrafter(loaded, vocab_size)
-    return ModelDrafterSetup(
-        drafter.method, drafter, DFlashStepModel(loaded), loaded.taps, vocab_size
-    )
+    step = DFlashStepModel(loaded)
+    return ModelDrafterSetup(drafter.method, drafter, step, loaded.taps, vocab_size, block=True)

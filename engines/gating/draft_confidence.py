@@ -107,7 +107,7 @@ class DraftStop:
         self.reach *= acceptance
         self.expected.append(self.expected[-1] + self.reach)
         i = len(self.confidences)
-        draft_step = self.cost.draft_step
+        draft_step = self.cost.draft_cost(i + 1) - self.cost.draft_cost(i)  # a block's: 0
         self.best_rate = max(self.best_rate, self.expected[i] / self.cost.step_cost(i, DRAFT))
         # the next token's acceptance, before it is drafted: this one's (confidence comes
         # in runs, so it is a better guess than the pair's average)
@@ -127,5 +127,5 @@ class DraftStop:
     def predicted(self, k: int) -> tuple[float, float]:
         """(tokens, cost in plain steps) expected for verifying the first k drafts, every
         draft step taken so far counted."""
-        spent = len(self.confidences) * self.cost.draft_step
+        spent = self.cost.draft_cost(len(self.confidences))
         return self.expected[k], self.cost.verify_cost(k + 1) + spent

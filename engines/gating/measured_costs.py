@@ -26,11 +26,17 @@ PLAIN = "plain"
 @dataclass(frozen=True)
 class CostModel:
     """verify[n-1] = cost of a target forward over n tokens / cost of a plain step;
-    draft_step = cost of one draft-model token / cost of a plain target step."""
+    draft_step = cost of one draft-model token / cost of a plain target step -- or, for
+    a block drafter (DFlash: k tokens in one forward), of one whole proposal."""
 
     verify: tuple[float, ...]
     draft_step: float = 0.0
     plain_seconds: float = 0.0  # a pipelined plain step at start-up (0 = not measured)
+    block_draft: bool = False  # the model drafter drafts a proposal in one forward
+
+    def draft_cost(self, k: int) -> float:
+        """What drafting k tokens with the model drafter costs, in plain steps."""
+        return self.draft_step * (min(k, 1) if self.block_draft else k)
 
     @property
     def max_tokens(self) -> int:
@@ -40,7 +46,7 @@ class CostModel:
         return self.verify[min(n, len(self.verify)) - 1]
 
     def step_cost(self, k: int, method: str) -> float:
-        return self.verify_cost(k + 1) + (k * self.draft_step if method == DRAFT else 0.0)
+        return self.verify_cost(k + 1) + (self.draft_cost(k) if method == DRAFT else 0.0)
 
     @classmethod
     def assumed(cls, max_tokens: int, per_token: float = 0.15, draft_step: float = 0.1):
@@ -83,7 +89,7 @@ class CostModel:
         slope = max((verify[-1] - verify[-1 - back]) / back, 0.0) if back else 0.0
         while len(verify) < max_tokens:
             verify.append(verify[-1] + slope)
-        return CostModel(tuple(verify), self.draft_step, self.plain_seconds)
+        return CostModel(tuple(verify), self.draft_step, self.plain_seconds, self.block_draft)
 
     def as_dict(self) -> dict:
         return {
@@ -254,7 +260,7 @@ class OnlineCosts:
         draft = base.draft_step
         if self.draft_token_s is not None and self.samples.get("draft", 0) > self.min_samples:
             draft = self.draft_token_s / self.plain_s
-        return CostModel(tuple(monotone_fit(ratios)), draft, base.plain_seconds)
+        return CostModel(tuple(monotone_fit(ratios)), draft, base.plain_seconds, base.block_draft)
 
 
 @dataclass(frozen=True)

@@ -226,7 +226,8 @@ class SpeculativeEngine:
                 model_state = self._drafter_state(active)
                 caught_up = model_state.caught_up if draft.gate == DRAFT else 0
                 if draft.gate == DRAFT and caught_up <= 2:
-                    self.costs.observe_draft(len(draft.tokens), proposed - started)
+                    drafted = 1 if self.costs.base.block_draft else len(draft.tokens)
+                    self.costs.observe_draft(drafted, proposed - started)  # per forward
                 outputs = self._verify(active, draft)
                 finished = time.perf_counter()
                 self.costs.observe_verify(len(draft.tokens) + 1, finished - proposed)

@@ -65,9 +65,12 @@ class PeerConfig:
 
 
 def peer_configs(draft: str | None, num_draft_tokens: int | None = None) -> list[PeerConfig]:
-    """Plain mlx_lm.server, and with a draft model also the speculative one."""
+    """Plain mlx_lm.server, and with a draft model also the speculative one (mlx_lm.server
+    cannot load a drafter fed the target's hidden states: DFlash, EAGLE-3, assistant)."""
+    from engines.drafting.feature_drafters import drafter_kind
+
     configs = [PeerConfig("mlx_lm")]
-    if draft:
+    if draft and drafter_kind(draft) == "model":
         k = ("--num-draft-tokens", str(num_draft_tokens)) if num_draft_tokens else ()
         configs.append(PeerConfig("mlx_lm+draft", ("--draft-model", draft, *k)))
     return configs

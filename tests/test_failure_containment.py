@@ -20,7 +20,9 @@ import pytest
 from mlx_lm import load
 from mlx_lm.sample_utils import make_logits_processors
 
+from bench.drafter_checkpoints import write_dflash
 from engines.batched.engine import BatchedSpeculativeEngine
+from engines.drafting.feature_drafters import load_feature_drafter
 from engines.errors import RequestFailed
 from engines.model.mtp import load_head
 from engines.model.registry import ModelRegistry
@@ -36,7 +38,7 @@ from tests.tiny_archs import build_tiny_arch
 
 POINTS = ("insert", "prefill", "merge", "verify", "commit")
 DRAFT_POINTS = ("draft", "lookup")  # what stops drafting for a row, not its request
-KINDS = ("plain", "sliding", "lfm2", "mtp")
+KINDS = ("plain", "sliding", "lfm2", "mtp", "dflash")
 OTHERS = 60  # tokens each of the rows beside the failing one generates
 
 
@@ -49,6 +51,8 @@ def checkpoints(kind: str, root, tiny_model_dir, perturbed_draft_dir):
         return target, build_tiny_arch("sliding", root / "d", tiny_model_dir, noise=0.05)
     if kind == "lfm2":  # recurrent layers: a failed verify restores their state
         return build_tiny_arch("lfm2", root / "t", tiny_model_dir), perturbed_draft_dir
+    if kind == "dflash":  # a drafter fed the target's layers, one ragged forward per draft
+        return tiny_model_dir, write_dflash(root / "d", tiny_model_dir)
     return build_tiny_arch("qwen3_5", root / "t", tiny_model_dir, mtp="copy"), None
 
 
@@ -73,7 +77,11 @@ def drafting_engine(request, tmp_path_factory, tiny_model_dir, perturbed_draft_d
     kind = request.param
     root = tmp_path_factory.mktemp(f"draft-fails-{kind}")
     target, draft = checkpoints(kind, root, tiny_model_dir, perturbed_draft_dir)
-    registry = ModelRegistry.load(str(target), str(draft) if draft else None)
+    if kind == "dflash":
+        registry = ModelRegistry.load(str(target))
+        registry.feature_drafter = load_feature_drafter(str(draft), kind, registry.target)
+    else:
+        registry = ModelRegistry.load(str(target), str(draft) if draft else None)
     if kind == "mtp":
         registry.mtp = load_head(registry.target.model, registry.target.config, target)
     spec = SpeculativeEngine(registry, SpecConfig(), cost=COST)
@@ -84,9 +92,9 @@ def drafting_engine(request, tmp_path_factory, tiny_model_dir, perturbed_draft_d
 
 
 class FailingForward:
-    """A model drafter's model (the draft model, or the MTP head) whose next call raises
-    once armed, with no row to blame: a batched draft forward that failed. Counts the
-    calls after that one."""
+    """A model drafter's model (the draft model, the MTP head, DFlash's forward) whose
+    next call raises once armed, with no row to blame: a batched draft forward that
+    failed. Counts the calls after that one."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -176,8 +184,13 @@ def test_a_draft_forward_that_fails_with_no_row_to_blame_stops_model_drafting_fo
     it fed stops drafting with the model drafter (one failure each, no model forward
     after it), and every row still finishes token-identical to mlx-lm's greedy."""
     kind, engine, reference = drafting_engine
-    drafter = engine.model_drafter
-    name = "head" if kind == "mtp" else "model"
+    # the MTP head is its single-stream drafter's (the batch's rows ask it what to compute);
+    # DFlash's forward is its module's draft_logits
+    drafter, name = engine.model_drafter, "model"
+    if kind == "mtp":
+        drafter, name = drafter.drafter, "head"
+    elif kind == "dflash":
+        drafter, name = drafter.module, "draft_logits"
     failing = FailingForward(getattr(drafter, name))
     setattr(drafter, name, failing)
     prompts = [reference.tokenizer.encode(text) for text in PROMPTS[:3]]

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from engines.drafting.feature_drafters import drafter_folder
 from engines.model.identity import model_identity, parameter_dtypes
 from engines.model.mtp import local_folder
 from scheduler.prefix_files import (
@@ -422,9 +423,16 @@ def identities(registry: Any, draft_vocab: int | None, memo_dir: Path) -> Callab
     target_dtypes = parameter_dtypes(target.model)
     draft = registry.draft
     draft_dtypes = parameter_dtypes(draft.model) if draft is not None else ""
+    # a feature drafter's entries keep its context K/V (DFlash) beside the target's
+    feature = registry.feature_drafter
+    feature_dtypes = parameter_dtypes(feature.module) if feature is not None else ""
 
     def identify() -> tuple[str, str]:
         target_id = model_identity(local_folder(target.folder), target_dtypes, memo_dir)
+        if feature is not None:
+            extra = f"{feature.kind} drafter of {target_id}"
+            folder = drafter_folder(feature.path)
+            return target_id, model_identity(folder, feature_dtypes, memo_dir, extra)
         if draft is None:
             return target_id, ""
         extra = f"draft of {target_id}, vocabulary {draft_vocab}"

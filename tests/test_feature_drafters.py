@@ -19,7 +19,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
+from bench.drafter_checkpoints import write_assistant, write_dflash, write_eagle3
 from engines.batched.engine import BatchedSpeculativeEngine
+from engines.cache.rollback import detached_copy
+from engines.drafting.draft_model import DraftState
 from engines.drafting.feature_drafters import DrafterRefused, drafter_kind, load_feature_drafter
 from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
@@ -27,9 +30,9 @@ from engines.sample.sampling import RandomStream
 from engines.sequence import make_sequence
 from engines.single.engine import SpeculativeEngine
 from engines.spec_config import SpecConfig
+from engines.state import SequenceState
 from tests.conftest import Reference, make_client, start_scheduler
 from tests.distributions import assert_same_token_distribution
-from bench.drafter_checkpoints import write_assistant, write_dflash, write_eagle3
 from tests.test_batched_speculation import (
     COST,
     PROMPTS,
@@ -348,3 +351,50 @@ def test_a_block_drafter_is_costed_per_proposal(engines, drafter):
         )
     else:
         assert not cost.block_draft and cost.draft_cost(7) == 7 * cost.draft_cost(1)
+
+
+def test_a_prefix_entry_keeps_the_dflash_context(engines, drafter, reference):
+    """A finished request's prefix-cache entry keeps DFlash's context K/V of the tokens it
+    holds, so a request starting from it drafts with the prompt's context (its state
+    starts at 0, never restarted), alone and in the batch, exactly; the chained kinds
+    keep nothing there (their state restarts at the hit, as the MTP head's does)."""
+    spec, batched = engines
+    prompt = reference.tokenizer.encode(PROMPTS[1])
+    registry = spec.registry
+    registry.transfer(spec.name)
+    seq = make_sequence(request("e", prompt, 30), registry.tokenizer)
+    spec.admit(seq)
+    released = []
+    while spec.active is not None:
+        released += spec.step().released
+    (entry,) = released
+    if drafter[0] != "dflash":
+        assert entry.draft is None or not entry.draft.cache
+        return
+    assert entry.draft.fed == seq.all_tokens[: entry.cached]
+    follow = [*seq.all_tokens, *prompt[:3]]
+    expected = reference.greedy_tokens(follow, 40)
+    for engine in (spec, batched):
+        registry.transfer(engine.name)
+        hit = request("f", follow, 40)
+        draft = DraftState(detached_copy(entry.draft.cache), list(entry.draft.fed))
+        entry_copy = SequenceState(  # a hit: copies, as the prefix cache hands them out
+            make_sequence(hit, registry.tokenizer),
+            detached_copy(entry.cache),
+            entry.cached,
+            draft=draft,
+        )
+        starts = []
+        if engine is spec:
+            engine.admit(entry_copy)
+            starts.append(engine.active.mtp.start)
+            while engine.active is not None:
+                starts.append(engine.active.mtp.start)
+                engine.step()
+        else:
+            engine.admit(entry_copy)
+            while engine.batch_size:
+                starts += [row.mtp.start for row in engine.rows if row.mtp is not None]
+                engine.step()
+        assert entry_copy.seq.generated == expected, engine.name
+        assert starts and set(starts) == {0}, "the context was kept: no restart"

@@ -27,6 +27,7 @@ from engines.batched.drafting import BatchRow, choose_tokens
 from engines.batched.mtp import BatchedMTP, HiddenTap
 from engines.cache.ragged_cache import RaggedKVCache
 from engines.drafting.draft import DRAFT
+from engines.drafting.feature_drafters import DFlashDrafter
 from engines.drafting.kinds import ModelDrafterSetup
 from engines.drafting.mtp import MTPState
 from engines.faults import check
@@ -47,8 +48,9 @@ class FeatureRows(BatchedMTP):
         self.vocab_size = setup.vocab_size
 
     def join(self, row: BatchRow, draft=None, mtp: MTPState | None = None) -> list:
-        """The row's drafter cache as it joins; its state kept with the row (none for
-        a row that may not draft with it)."""
+        """The row's drafter cache as it joins (or a prefix-cache entry's context); its
+        state kept with the row (none for a row that may not draft with it)."""
+        mtp = mtp or DFlashDrafter.from_entry(draft)
         row.mtp = (mtp or MTPState()) if DRAFT in row.gates else None
         if row.mtp is None or row.mtp.cache is None:
             return self.module.make_cache()
@@ -56,15 +58,23 @@ class FeatureRows(BatchedMTP):
         return cache
 
     def leave(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):
-        """(no draft state, the row's state with its own drafter cache again)."""
+        """(what a prefix-cache entry keeps of it, the row's state with its own drafter
+        cache again)."""
         state = rows[index].mtp
         if state is None:
             return None, None
+        entry = self.copy(cache, rows, index)
         own = [layer.take([index]) for layer in cache]
         for layer in own:
             layer.set_lengths([state.length])
         state.cache, state.speculative = own, 0
-        return None, state
+        return entry, state
+
+    def copy(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):
+        """Row `index`'s context K/V for a prefix-cache entry (copies); the row goes on."""
+        state = rows[index].mtp
+        layers = [layer.extract(index) for layer in cache]
+        return DFlashDrafter.entry(state, rows[index].tokens, layers)
 
     def check(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> None:
         assert all(

@@ -128,7 +128,8 @@ class SpeculativeEngine:
         active = Active(seq, state.cache, state.cached, seq.processors)
         active.pld = state.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
         active.draft = state.draft or DraftState()
-        active.mtp = state.mtp or MTPState()
+        from_entry = getattr(self.drafter, "from_entry", None)  # DFlash's prompt context
+        active.mtp = state.mtp or (from_entry and from_entry(state.draft)) or MTPState()
         if active.processors:
             active.history = mx.array(active.tokens[: state.cached], dtype=mx.int32)
         active.gates = state.gates if state.gates is not None else self.limits.initial_gates(seq)
@@ -197,10 +198,20 @@ class SpeculativeEngine:
             return None
         if len(active.tokens) - active.cached > 1:
             return None  # still prefilling: `Sequence.keep_at` copies it where asked
-        draft = None
+        draft = self._feature_entry(active)
         if active.draft.cache:  # the prefix cache keeps it if it holds nearly as much
             draft = DraftState(detached_copy(active.draft.cache), list(active.draft.fed))
         return SequenceState(active.seq, detached_copy(active.cache), active.cached, draft=draft)
+
+    def _feature_entry(self, active: Active) -> DraftState | None:
+        """What a prefix-cache entry keeps of a feature drafter (DFlash's context K/V, as
+        copies), or None: the drafter keeps nothing there."""
+        entry = getattr(self.drafter, "entry", None)
+        if entry is None or active.mtp.cache is None:
+            return None
+        self.drafter.feed(active.mtp)  # its pending positions too: the entry holds them all
+        layers = [layer.extract(0) for layer in active.mtp.cache]
+        return entry(active.mtp, active.tokens, layers)
 
     # ---- the step ---------------------------------------------------------------
 
@@ -287,7 +298,10 @@ class SpeculativeEngine:
         self.pacer.observe(chunk.size, time.perf_counter() - started, False, decoding=False)
         if self._keeps_checkpoint(active, end):
             copy = detached_copy(active.cache)
-            self._result.checkpoints.append(SequenceState(active.seq, copy, active.cached))
+            draft = self._feature_entry(active)  # the drafter was fed this chunk too
+            self._result.checkpoints.append(
+                SequenceState(active.seq, copy, active.cached, draft=draft)
+            )
         mx.clear_cache()
 
     def _keeps_checkpoint(self, active: Active, end: int) -> bool:
@@ -436,6 +450,7 @@ class SpeculativeEngine:
                 return  # recurrent or windowed: it cannot be cut back to reuse
             trim_exact(active.cache, active.cached - committed)
             active.cached = committed
+        draft = self._feature_entry(active) or active.draft
         self._result.released.append(
-            SequenceState(active.seq, active.cache, active.cached, draft=active.draft)
+            SequenceState(active.seq, active.cache, active.cached, draft=draft)
         )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 class SpecConfig:
     # The most draft-model tokens in a proposal: one request's stop earlier where the
     # draft is unsure (`engines.gating.draft_confidence`), a batched row's at the batch's K.
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = 8  # the server default (for_server with no --num-draft-tokens)
     max_draft_tokens: int = 8  # per-request overrides are clamped to this
     enable_pld: bool = True
     # The longest prompt lookup draft of a request served alone: a copied stretch pays
@@ -36,9 +36,10 @@ class SpecConfig:
     @classmethod
     def for_server(cls, num_draft_tokens: int | None, **settings) -> SpecConfig:
         """Settings from a server's --num-draft-tokens: a number is the user's cap on
-        every draft-model proposal; None lets drafts run to `max_draft_tokens` (8), one
-        request's stopping where the draft is unsure, a batched row's at the K the batch's
-        goodput chooses. A fixed default of 4 held a matched draft to half its yield: at
-        c=2 the batch then served two users more slowly than one-at-a-time drafting to 8."""
-        k = cls.max_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        every draft-model proposal; None keeps the default, drafts running to
+        `max_draft_tokens` (8), one request's stopping where the draft is unsure, a
+        batched row's at the K the batch's goodput chooses. A fixed default of 4 held a
+        matched draft to half its yield: at c=2 the batch then served two users more
+        slowly than one-at-a-time drafting to 8."""
+        k = cls.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         return cls(num_draft_tokens=k, **settings)

@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from bench.drafter_checkpoints import dflash_weights
 from engines.cache.ragged_cache import RaggedKVCache
 from engines.drafting.dflash_model import (
     DFlashConfig,
@@ -46,35 +47,7 @@ CONFIG = {
 }
 
 
-def published_weights(config: dict, seed: int = 0) -> dict[str, mx.array]:
-    """Random weights under the published key names, with shapes from `config`."""
-    mx.random.seed(seed)
-    d, heads, kv, hd = (
-        config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
-    )
-    inter = config["intermediate_size"]
-    shapes = {"fc.weight": (d, TAPS * d), "hidden_norm.weight": (d,), "norm.weight": (d,)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (heads * hd, d),
-            p + "self_attn.k_proj.weight": (kv * hd, d),
-            p + "self_attn.v_proj.weight": (kv * hd, d),
-            p + "self_attn.o_proj.weight": (d, heads * hd),
-            p + "self_attn.q_norm.weight": (hd,),
-            p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_proj.weight": (inter, d),
-            p + "mlp.up_proj.weight": (inter, d),
-            p + "mlp.down_proj.weight": (d, inter),
-            p + "input_layernorm.weight": (d,),
-            p + "post_attention_layernorm.weight": (d,),
-        }
-    return {
-        key: 1 + 0.1 * mx.random.normal(shape)
-        if len(shape) == 1
-        else mx.random.normal(shape) * shape[1] ** -0.5
-        for key, shape in shapes.items()
-    }
+published_weights = dflash_weights  # random, in the published key names
 
 
 def save_drafter(folder: Path, config: dict, weights: dict[str, mx.array]) -> Path:

@@ -11,6 +11,7 @@ tandem bench invariance [MODEL] verify vs plain logits on this device, per dtype
 tandem bench device [--dry-run] the prepared GPU check vs mlx_lm.server (bench/device_check.sh)
 tandem bench agent [--short]    recorded agent sessions vs mlx_lm.server at 1, 2, 4 sessions
 tandem bench prefill-sharing MODEL  a stream's gaps while a long prompt prefills (issue 42)
+tandem bench outside [--model M]  guidellm against tandem serve and mlx_lm.server (issue 55)
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main(argv: list[str]) -> None:
         "device": "bench.device",
         "agent": "bench.agent",
         "prefill-sharing": "bench.prefill_sharing",
+        "outside": "bench.outside_harness",
     }
     if not argv or argv[0] not in commands:
         print(__doc__)

@@ -85,6 +85,10 @@ class CpuAttention:
         mask: Any,
         sinks: mx.array | None = None,
     ) -> mx.array:
+        if _cpu_scores(queries, keys, cache) < min(KERNEL_MIN_SCORES, MIN_SCORES):
+            # a decode step's or a short verify's attention, too small for either way:
+            # mlx-lm's own after one check (a step calls this once per layer)
+            return self.original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         if self.uses_kernel(queries, keys, cache, mask, sinks):
             return cpu_softmax.attention(self.kernel, queries, keys, values, scale, mask)
         groups = self.groups(queries, keys, cache)

@@ -56,6 +56,9 @@ MODES = {
     "hybrid-wait": ["--batch-threshold", "2", "--spec-wait-budget", "WAIT"],
     "batch-only": ["--batch-threshold", "1", "--no-pld", "--num-draft-tokens", "0"],
     "hybrid-nodraft": ["--batch-threshold", "2", "--no-pld", "--num-draft-tokens", "0"],
+    "hybrid-nosuffix": ["--batch-threshold", "2", "--suffix-tokens-per-key", "0"],
+    # the model drafter alone: no prompt lookup, no suffix decoding
+    "hybrid-nolookup": ["--batch-threshold", "2", "--no-pld", "--suffix-tokens-per-key", "0"],
     "spec-only": ["--batch-threshold", "100000", "--max-num-seqs", "1"],
 }
 SWITCH_PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play"

@@ -212,7 +212,9 @@ def running_tandem(model: str, flags: list[str], scratch: Path) -> Iterator[str]
     port = free_port()
     tandem = str(Path(sys.executable).parent / "tandem")
     cmd = [tandem, "serve", model, "--port", str(port), "--served-model-name", TANDEM_MODEL_ID]
-    env = {**peer_env(), "TANDEM_PREFIX_CACHE_DIR": str(scratch / "prefix")}
+    # a disk tier of its own per start: a later round must not find an earlier round's
+    # prompts on disk (guidellm sends the same synthetic prompts each round)
+    env = {**peer_env(), "TANDEM_PREFIX_CACHE_DIR": str(scratch / f"prefix-{port}")}
     log = scratch / f"tandem-{port}.log"
     proc = start_process([*cmd, "--log-level", "warning", *flags], port, env, log)
     try:

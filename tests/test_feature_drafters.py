@@ -24,6 +24,7 @@ from engines.batched.engine import BatchedSpeculativeEngine
 from engines.cache.rollback import detached_copy
 from engines.drafting.draft_model import DraftState
 from engines.drafting.feature_drafters import DrafterRefused, drafter_kind, load_feature_drafter
+from engines.gating.draft_limits import DISTRUSTED_SAMPLE
 from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from engines.sample.sampling import RandomStream
@@ -398,3 +399,44 @@ def test_a_prefix_entry_keeps_the_dflash_context(engines, drafter, reference):
                 engine.step()
         assert entry_copy.seq.generated == expected, engine.name
         assert starts and set(starts) == {0}, "the context was kept: no restart"
+
+
+def test_a_drafter_rejected_over_the_servers_life_starts_each_request_closed(
+    tiny_model_dir, tmp_path
+):
+    """Once a drafter's first token was accepted in under a tenth of its drafts (over
+    the server's life, both engines counting), a new request starts its gate closed and
+    probes only after DISTRUSTED_COOLDOWN plain tokens, alone and in the batch; a server
+    without that history drafts from the first tokens. Output is plain decoding's."""
+    folder = write_dflash(tmp_path / "dflash", tiny_model_dir)
+    reference = Reference(*load(str(tiny_model_dir)))
+    prompt_ids = reference.tokenizer.encode(PROMPTS[0])
+    expected = reference.greedy_tokens(prompt_ids, 60)
+    fresh_spec, _ = make_engines(tiny_model_dir, folder)
+    assert feature_drafted([solo(fresh_spec, request("fresh", prompt_ids, 60))]) > 0
+
+    spec, batched = make_engines(tiny_model_dir, folder)
+    totals = spec.speculation.totals
+    for _ in range(DISTRUSTED_SAMPLE - 1):  # the history: drafts of 4, none accepted
+        totals.record("dflash", 4, 0)
+    gates = spec.limits.initial_gates(
+        make_sequence(request("g", prompt_ids, 60), reference.tokenizer)
+    )
+    assert gates["draft"].open, "31 drafts are too few to judge"
+    totals.record("dflash", 4, 0)
+    seq = solo(spec, request("alone", prompt_ids, 60))
+    assert seq.generated == expected and feature_drafted([seq]) == 0
+    batched.registry.transfer(batched.name)
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS[:2]]
+    seqs, outputs, drafted = run_batch(
+        batched, [request(f"r{i}", p, 40) for i, p in enumerate(prompts)]
+    )
+    assert drafted == 0 and feature_drafted(seqs.values()) == 0
+    assert_rows_equal(
+        seqs, outputs, {f"r{i}": reference.greedy_tokens(p, 40) for i, p in enumerate(prompts)}
+    )
+    for _ in range(2 * DISTRUSTED_SAMPLE):  # then it is accepted: trusted again
+        totals.record("dflash", 4, 2)
+    assert spec.limits.initial_gates(
+        make_sequence(request("h", prompt_ids, 60), reference.tokenizer)
+    )["draft"].open

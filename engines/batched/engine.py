@@ -357,6 +357,9 @@ class BatchedSpeculativeEngine(BatchMembership):
         every row's verify)."""
         if not row.gates:
             return 0
+        gate = row.gates.get(DRAFT)
+        if method == DRAFT and gate and not gate.due and self.limits.drafter_distrusted():
+            return 0  # a drafter the server's life rejected waits out the row's cooldown
         seq = row.seq
         k = min(self.limits.request_k(seq, method), self.limits.k_cap)
         return max(0, min(k, seq.request.max_tokens - len(seq.generated) - 1))
@@ -427,12 +430,14 @@ class BatchedSpeculativeEngine(BatchMembership):
 
     def _record(self, row: BatchRow, drafted: int, accepted: int) -> None:
         row.seq.spec.record(row.method, drafted, accepted)
+        self.limits.totals.record(row.method, drafted, accepted)  # the server's life, both engines
         method = DRAFT if row.method in MODEL_DRAFTERS else row.method  # one model drafter gate
         gate = row.gates[method]
         k_max = self._row_cap(row, method) or drafted
         match = row.match if row.method in LOOKUPS else 0
         if gate.record(drafted, accepted, k_max, self.costs.prior, match=match):
             row.seq.spec.trip("runtime")
+            self.limits.totals.trip("runtime")
 
     def close(self) -> None:
         self.rows, self.cache, self.draft_cache, self.groups = [], [], None, []

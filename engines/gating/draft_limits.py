@@ -12,12 +12,23 @@ from engines.sequence import Sequence
 from engines.spec_config import SpecConfig
 from engines.telemetry import SpecStats
 
+# A model drafter whose first token was accepted in fewer than this share of its drafts
+# over the server's life (once it drafted DISTRUSTED_SAMPLE times) does not pay at any
+# draft length: 1 + 0.1 tokens a verify. New requests then start its gate closed, with a
+# probe after DISTRUSTED_COOLDOWN plain tokens, instead of each paying its own failed
+# drafts and early probes to find that out again: a random-weight DFlash drafter cost
+# single-stream decode 5-6% (its gates opened on every request of 64 tokens).
+DISTRUSTED_ACCEPTANCE = 0.1
+DISTRUSTED_SAMPLE = 32
+DISTRUSTED_COOLDOWN = 64
+
 
 @dataclass
 class DraftLimits:
     config: SpecConfig
     has_model_drafter: bool  # a draft model or the target's MTP head
     totals: SpecStats  # lifetime counters: a prompt that closes lookup's gate is counted
+    drafter_method: str = DRAFT  # the method its drafts are counted under in `totals`
 
     @property
     def k_cap(self) -> int:
@@ -66,5 +77,17 @@ class DraftLimits:
         if seq.suffix is not None and overrides.enable_pld is not False:
             gates[SUFFIX] = MethodGate(SUFFIX, alpha=0.5)
         if self.has_model_drafter and overrides.enable_draft is not False:
-            gates[DRAFT] = MethodGate(DRAFT, alpha=0.6)
+            gate = gates[DRAFT] = MethodGate(DRAFT, alpha=0.6)
+            if self.drafter_distrusted():
+                gate.open, gate.cooldown = False, DISTRUSTED_COOLDOWN
+                gate.backoff = DISTRUSTED_COOLDOWN  # a failed probe waits twice that
         return gates
+
+    def drafter_distrusted(self) -> bool:
+        """The model drafter's first token was accepted in fewer than
+        DISTRUSTED_ACCEPTANCE of its drafts over the server's life (read on the engine
+        thread, which writes `totals`)."""
+        stats = self.totals.by_method.get(self.drafter_method)
+        if stats is None or stats.drafts < DISTRUSTED_SAMPLE:
+            return False
+        return stats.first_accepted < DISTRUSTED_ACCEPTANCE * stats.drafts

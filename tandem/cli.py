@@ -1,5 +1,6 @@
 """The `tandem` command: `tandem serve` and `tandem convert` (`server.cli`), `tandem bench`
-(`bench.cli`).
+(`bench.cli`), `tandem draft train` (`training.cli`) and `tandem draft eval`
+(`bench.draft_eval`).
 
 The one module that knows both packages, so that neither imports the other to dispatch:
 the benches may use the server's own prompt rendering, and the server never imports a
@@ -20,6 +21,16 @@ def main(argv: list[str] | None = None) -> None:
         from bench.cli import main as bench_main
 
         bench_main(argv[1:])
+        return
+    if argv[:2] == ["draft", "train"]:  # training a drafter (`training.cli`)
+        from training.cli import main as train_main
+
+        train_main(argv[2:])
+        return
+    if argv[:2] == ["draft", "eval"]:  # measuring one (`bench.draft_eval`)
+        from bench.draft_eval import main as eval_main
+
+        eval_main(argv[2:])
         return
     from server.cli import main as server_main
 

@@ -155,7 +155,8 @@ class Trainer:
         last_save = started
         offset = self.progress["seconds"]  # time of the run before a resume
         total = limits.steps
-        bar = tqdm(total=total, initial=self.progress["step"], unit="step", dynamic_ncols=True)
+        first_step = self.progress["step"]
+        bar = tqdm(total=total, initial=first_step, unit="step", dynamic_ncols=True)
         agreement: list[float] = []
         loss = float("nan")
         stopped_by = "steps"
@@ -165,8 +166,10 @@ class Trainer:
                 stopped_by = "steps"
                 break
             elapsed = time.monotonic() - started
-            if limits.time_budget is not None and offset + elapsed >= limits.time_budget:
-                stopped_by = "time budget"
+            steps_run = self.progress["step"] - first_step
+            per_step = elapsed / steps_run if steps_run else 0.0
+            if limits.time_budget is not None and offset + elapsed + per_step > limits.time_budget:
+                stopped_by = "time budget"  # the next step would end past it
                 break
             batch = self.teacher.label(chunks)
             loss = self._step(batch.features, batch.tokens, batch.labels, batch.mask)
@@ -180,8 +183,8 @@ class Trainer:
             step = self.progress["step"]
             if step % limits.eval_every == 0:
                 agreement = self.held_out()
+            bar.set_postfix_str(self._postfix(loss, agreement, limits), refresh=False)
             bar.update(1)
-            bar.set_postfix_str(self._postfix(loss, agreement, now - started, limits))
             due = (limits.checkpoint_steps and step % limits.checkpoint_steps == 0) or (
                 now - last_save >= limits.checkpoint_seconds
             )
@@ -198,7 +201,7 @@ class Trainer:
         report.stopped_by = stopped_by
         return report
 
-    def _postfix(self, loss: float, agreement: list[float], seconds: float, limits: Limits) -> str:
+    def _postfix(self, loss: float, agreement: list[float], limits: Limits) -> str:
         rate = self.progress["tokens"] / max(self.progress["seconds"], 1e-9)
         parts = [f"loss {loss:.3f}", f"{rate:,.0f} tok/s"]
         if agreement:

@@ -54,7 +54,8 @@ def build_speculation(
     totals = SpecStats()
     vocab_size = registry.target.vocab_size
     setup = model_drafter(registry, vocab_size, config.prefill_step_size)
-    limits = DraftLimits(config, setup is not None, totals, setup.method if setup else DRAFT)
+    method = setup.method if setup else DRAFT
+    limits = DraftLimits(config, setup is not None, totals, method, learns_trust=cost is None)
     measured = cost or CostModel.measure(
         registry.target.model, setup.step_model if setup else None, limits.k_cap + 1
     )

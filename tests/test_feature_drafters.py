@@ -416,6 +416,7 @@ def test_a_drafter_rejected_over_the_servers_life_starts_each_request_closed(
     assert feature_drafted([solo(fresh_spec, request("fresh", prompt_ids, 60))]) > 0
 
     spec, batched = make_engines(tiny_model_dir, folder)
+    spec.limits.learns_trust = True  # as a server's, whose costs are learned (not fixed)
     totals = spec.speculation.totals
     for _ in range(DISTRUSTED_SAMPLE - 1):  # the history: drafts of 4, none accepted
         totals.record("dflash", 4, 0)

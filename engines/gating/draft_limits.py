@@ -29,6 +29,9 @@ class DraftLimits:
     has_model_drafter: bool  # a draft model or the target's MTP head
     totals: SpecStats  # lifetime counters: a prompt that closes lookup's gate is counted
     drafter_method: str = DRAFT  # the method its drafts are counted under in `totals`
+    # whether the server's life may close a drafter's gates (`drafter_distrusted`): off
+    # where costs are fixed (tests, benchmarks), so gating repeats whatever ran before
+    learns_trust: bool = True
 
     @property
     def k_cap(self) -> int:
@@ -88,6 +91,6 @@ class DraftLimits:
         DISTRUSTED_ACCEPTANCE of its drafts over the server's life (read on the engine
         thread, which writes `totals`)."""
         stats = self.totals.by_method.get(self.drafter_method)
-        if stats is None or stats.drafts < DISTRUSTED_SAMPLE:
+        if not self.learns_trust or stats is None or stats.drafts < DISTRUSTED_SAMPLE:
             return False
         return stats.first_accepted < DISTRUSTED_ACCEPTANCE * stats.drafts

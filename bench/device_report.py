@@ -90,9 +90,16 @@ def summarise(report: dict, stages: list) -> str:
             "single": single_lines,
             "hybrid": hybrid_lines,
             "tests": tests_lines,
+            "drafters": drafters_lines,
         }[kind]
         lines += ["", f"== {stage.name}", *describe(stage.result)]
     return "\n".join(lines)
+
+
+def drafters_lines(result: dict) -> list[str]:
+    from bench.drafter_cost import lines
+
+    return lines(result)
 
 
 def models_lines(result: dict) -> list[str]:

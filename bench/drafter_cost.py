@@ -149,15 +149,24 @@ def mx_row(layer, rows: int):
 
 
 def report(result: dict) -> None:
+    print("\n".join(lines(result)))
+
+
+def lines(result: dict) -> list[str]:
+    """The table: per row count, the target step and each cost as a multiple of it
+    (also the device check's summary of stage drafters-1b)."""
     kinds = result["kinds"]
-    print(f"target  {result['target']}  k={result['k']}  context={result['context']}")
-    print("rows  target ms  verify/target  " + "  ".join(f"{k}/target" for k in kinds))
+    out = [
+        f"target  {result['target']}  k={result['k']}  context={result['context']}",
+        "rows  target ms  verify/target  " + "  ".join(f"{k}/target" for k in kinds),
+    ]
     for row in result["rows"]:
         ratios = "  ".join(f"{row[kind] / row['target']:>10.2f}" for kind in kinds)
-        print(
+        out.append(
             f"{row['rows']:>4}  {1000 * row['target']:>9.2f}  "
             f"{row['verify'] / row['target']:>13.2f}  {ratios}"
         )
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:

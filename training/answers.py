@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import batch_generate
 from mlx_lm.sample_utils import make_sampler
 
 from training.corpus import Record
 
 ANSWERS = "answers.jsonl"
+GROUP = 8  # prompts answered together, one batch (mlx-lm's batch_generate)
 
 
 def answered(
@@ -32,9 +33,9 @@ def answered(
     seed: int,
     progress: Any = None,
 ) -> list[Record]:
-    """`records` with every prompt that lacks an answer answered by the target
-    (seeded sampling at `temperature`, 0 = greedy; an answer ends at EOS or
-    `max_tokens`), read back from `out` when a previous run wrote them."""
+    """`records` with every prompt that lacks an answer answered by the target, in
+    groups of GROUP (seeded sampling at `temperature`, 0 = greedy; an answer ends at
+    EOS or `max_tokens`), read back from `out` when a previous run wrote them."""
     path = out / ANSWERS
     todo = [i for i, r in enumerate(records) if r.is_prompt and r.answer is None]
     if not todo:
@@ -44,20 +45,15 @@ def answered(
         if [s["prompt"] for s in saved] == [records[i].text for i in todo]:
             return _with(records, todo, [s["answer"] for s in saved])
     sampler = make_sampler(temp=temperature)
-    eos = set(tokenizer.eos_token_ids)
-    answers = []
-    for number, index in enumerate(todo):
-        mx.random.seed(seed + number)
-        prompt = mx.array(tokenizer.encode(records[index].text))
-        tokens = []
-        for token, _ in generate_step(prompt, model, max_tokens=max_tokens, sampler=sampler):
-            token = int(token)
-            if token in eos:
-                break
-            tokens.append(token)
-        answers.append(tokenizer.decode(tokens))
+    answers: list[str] = []
+    for start in range(0, len(todo), GROUP):
+        group = todo[start : start + GROUP]
+        mx.random.seed(seed + start)  # each group's draws from the seed and its place
+        prompts = [tokenizer.encode(records[i].text) for i in group]
+        done = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, sampler=sampler)
+        answers += done.texts
         if progress is not None:
-            progress(number + 1, len(todo))
+            progress(len(answers), len(todo))
     out.mkdir(parents=True, exist_ok=True)
     temporary = out / (ANSWERS + ".tmp")
     lines = [

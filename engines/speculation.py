@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engines.drafting.draft import DRAFT, ModelDrafter
+from engines.drafting.draft import ModelDrafter
 from engines.drafting.kinds import ModelDrafterSetup, model_drafter
 from engines.gating.draft_confidence import ConfidenceCalibration
 from engines.gating.draft_limits import DraftLimits
@@ -54,8 +54,8 @@ def build_speculation(
     totals = SpecStats()
     vocab_size = registry.target.vocab_size
     setup = model_drafter(registry, vocab_size, config.prefill_step_size)
-    method = setup.method if setup else DRAFT
-    limits = DraftLimits(config, setup is not None, totals, method, learns_trust=cost is None)
+    method = setup.method if setup else None
+    limits = DraftLimits(config, totals, method, learns_trust=cost is None)
     measured = cost or CostModel.measure(
         registry.target.model, setup.step_model if setup else None, limits.k_cap + 1
     )

@@ -26,12 +26,17 @@ DISTRUSTED_COOLDOWN = 64
 @dataclass
 class DraftLimits:
     config: SpecConfig
-    has_model_drafter: bool  # a draft model or the target's MTP head
     totals: SpecStats  # lifetime counters: a prompt that closes lookup's gate is counted
-    drafter_method: str = DRAFT  # the method its drafts are counted under in `totals`
+    # the model drafter's method (its drafts are counted under it in `totals`): a draft
+    # model, the target's MTP head or a feature drafter; None when there is none
+    drafter_method: str | None = None
     # whether the server's life may close a drafter's gates (`drafter_distrusted`): off
     # where costs are fixed (tests, benchmarks), so gating repeats whatever ran before
     learns_trust: bool = True
+
+    @property
+    def has_model_drafter(self) -> bool:
+        return self.drafter_method is not None
 
     @property
     def k_cap(self) -> int:

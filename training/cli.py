@@ -52,9 +52,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--draft-vocab", type=int, default=Settings.draft_vocab, help="the head's token count"
     )
     parser.add_argument("--holdout", type=int, default=Settings.holdout, help="chunks held out")
-    parser.add_argument("--answer-tokens", type=int, default=256, help="per prompt answered")
-    parser.add_argument("--answer-temperature", type=float, default=0.0)
-    parser.add_argument("--max-corpus-tokens", type=int, default=1 << 25)
+    parser.add_argument(
+        "--answer-tokens", type=int, default=Settings.answer_tokens, help="per prompt answered"
+    )
+    parser.add_argument("--answer-temperature", type=float, default=Settings.answer_temperature)
+    parser.add_argument("--max-corpus-tokens", type=int, default=Settings.max_corpus_tokens)
     parser.add_argument("--checkpoint-minutes", type=float, default=5.0)
     parser.add_argument("--checkpoint-steps", type=int)
     parser.add_argument("--eval-every", type=int, default=50, help="steps between estimates")
@@ -83,8 +85,11 @@ def main(argv: list[str]) -> None:
         draft_vocab=args.draft_vocab,
         seed=args.seed,
         holdout=args.holdout,
+        max_corpus_tokens=args.max_corpus_tokens,
+        answer_tokens=args.answer_tokens,
+        answer_temperature=args.answer_temperature,
     )
-    resumable(args.out, settings)  # before any work: a mismatched resume is refused
+    saved = resumable(args.out, settings)  # before any work: a mismatched resume is refused
     print(f"target  {args.model} ({target.folder}), BLAS {describe_blas()}", file=sys.stderr)
     records = read_records(Path(source), target.tokenizer)
 
@@ -109,7 +114,7 @@ def main(argv: list[str]) -> None:
         file=sys.stderr,
     )
     eos = set(target.tokenizer.eos_token_ids)
-    trainer = Trainer(settings, args.out, target.model, target.config, chunks, eos)
+    trainer = Trainer(settings, args.out, target.model, target.config, chunks, eos, saved)
     aux = trainer.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     print(
         f"drafter EAGLE-3, one layer over the inputs of target layers {aux}, "

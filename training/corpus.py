@@ -138,7 +138,7 @@ class Chunks:
         with `always` (the end-of-sequence ids) among them, then ids never seen (the
         lowest first) while fewer than `keep`; sorted."""
         counts = np.bincount(self.train.reshape(-1), minlength=vocab)
-        ranked = sorted(range(vocab), key=lambda t: (-counts[t], t))
+        ranked = np.argsort(-counts, kind="stable").tolist()  # most often first, ties by id
         chosen = {t for t in always if t >= 0}
         for token in ranked:
             if len(chosen) >= keep:

@@ -57,7 +57,6 @@ def unrolled_outputs(
     repeat = heads // kv_heads
     embeds = layer.input_layernorm(model.embed(tokens).astype(features.dtype))
     positions = mx.arange(length)
-    causal = positions[None, :] <= positions[:, None]  # (T query, T key)
     hidden = model.fuse(features)
     keys: list[mx.array] = []
     values: list[mx.array] = []
@@ -65,25 +64,23 @@ def unrolled_outputs(
     for step in range(depth):
         normed = layer.hidden_norm(hidden)
         x = mx.concatenate([embeds, normed], axis=-1)
-        q = attn.rope(_heads(attn.q_proj(x), heads))
+        q = attn.rope(_heads(attn.q_proj(x), heads)) * attn.scale
         k = attn.rope(_heads(attn.k_proj(x), kv_heads))
         v = _heads(attn.v_proj(x), kv_heads)
         if repeat > 1:
             k, v = mx.repeat(k, repeat, axis=1), mx.repeat(v, repeat, axis=1)
         keys.append(k)
         values.append(v)
-        # step 0's keys: position s <= t - step
-        scores = [(q * attn.scale) @ keys[0].swapaxes(-1, -2)]
-        allowed = mx.logical_and(causal, positions[None, :] <= positions[:, None] - step)
-        scores[0] = mx.where(allowed, scores[0], -mx.inf)
-        # the chain's own keys: step m's at t - step + m (one key each)
+        # step 0's keys: position s <= t - step (query t, key s)
+        allowed = positions[None, :] <= positions[:, None] - step
+        scores = [mx.where(allowed, q @ keys[0].swapaxes(-1, -2), -mx.inf)]
+        # the chain's own keys: step m's at t - step + m (one key each; zeros before the
+        # sequence, so every row has a finite score and t < step rows, left out of the
+        # loss, still softmax to numbers)
         for m in range(1, step + 1):
             own = _shift(keys[m], step - m, axis=2)
-            scores.append(((q * attn.scale) * own).sum(axis=-1, keepdims=True))
+            scores.append((q * own).sum(axis=-1, keepdims=True))
         weights = mx.softmax(mx.concatenate(scores, axis=-1), axis=-1, precise=True)
-        # rows with no allowed key at all (t < step) give NaN; they are masked out of
-        # the loss, and zeroed here so no NaN reaches a gradient
-        weights = mx.where(mx.isnan(weights), 0.0, weights)
         out = weights[..., :length] @ values[0]
         for m in range(1, step + 1):
             own = _shift(values[m], step - m, axis=2)

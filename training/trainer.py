@@ -44,6 +44,10 @@ class Settings:
     draft_vocab: int = 32768
     seed: int = 0
     holdout: int = 16
+    # the text itself: how much of the corpus, and how the target answered its prompts
+    max_corpus_tokens: int = 1 << 25
+    answer_tokens: int = 256
+    answer_temperature: float = 0.0
 
 
 @dataclass
@@ -81,10 +85,11 @@ class Trainer:
         target_config: dict,
         chunks: Chunks,
         eos_ids: set[int],
+        saved: dict | None = None,
     ) -> None:
+        """`saved`: the progress `resumable` found in `out` (None: a new run)."""
         self.settings, self.out, self.chunks = settings, out, chunks
         layers = len(decoder_layers(target))
-        saved = resumable(out, settings)
         if saved is not None:  # resume: the drafter's own config and vocabulary
             self.config = json.loads((out / "config.json").read_text())
             self.draft_ids = saved["draft_ids"]
@@ -158,12 +163,12 @@ class Trainer:
         first_step = self.progress["step"]
         bar = tqdm(total=total, initial=first_step, unit="step", dynamic_ncols=True)
         agreement: list[float] = []
+        agreed_at = -1  # the step `agreement` was measured at
         loss = float("nan")
-        stopped_by = "steps"
+        stopped_by = "steps"  # (the loop also ends by the time budget)
         tokens_per_batch = self.settings.batch_size * (self.settings.seq_len - 2)
         for chunks in self.batches():
             if limits.steps is not None and self.progress["step"] >= limits.steps:
-                stopped_by = "steps"
                 break
             elapsed = time.monotonic() - started
             steps_run = self.progress["step"] - first_step
@@ -182,7 +187,7 @@ class Trainer:
             self.progress["seconds"] = offset + now - started
             step = self.progress["step"]
             if step % limits.eval_every == 0:
-                agreement = self.held_out()
+                agreement, agreed_at = self.held_out(), step
             bar.set_postfix_str(self._postfix(loss, agreement, limits), refresh=False)
             bar.update(1)
             due = (limits.checkpoint_steps and step % limits.checkpoint_steps == 0) or (
@@ -192,7 +197,8 @@ class Trainer:
                 self.save()
                 last_save = now
         bar.close()
-        agreement = self.held_out()
+        if agreed_at != self.progress["step"]:
+            agreement = self.held_out()
         self.save()
         report.steps, report.tokens = self.progress["step"], self.progress["tokens"]
         report.seconds, report.loss = self.progress["seconds"], loss

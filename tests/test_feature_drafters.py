@@ -18,11 +18,10 @@ import zlib
 import mlx.core as mx
 import pytest
 from mlx_lm import load
+from mlx_lm.models.cache import can_trim_prompt_cache
 
 from bench.drafter_checkpoints import write_assistant, write_dflash, write_eagle3
 from engines.batched.engine import BatchedSpeculativeEngine
-from engines.cache.rollback import detached_copy
-from engines.drafting.draft_model import DraftState
 from engines.drafting.feature_drafters import DrafterRefused, drafter_kind, load_feature_drafter
 from engines.gating.draft_limits import DISTRUSTED_SAMPLE
 from engines.model.registry import ModelRegistry
@@ -32,6 +31,7 @@ from engines.sequence import make_sequence
 from engines.single.engine import SpeculativeEngine
 from engines.spec_config import SpecConfig
 from engines.state import SequenceState
+from scheduler.prefix_cache import PrefixCache
 from tests.conftest import Reference, make_client, start_scheduler
 from tests.distributions import assert_same_token_distribution
 from tests.test_batched_speculation import (
@@ -354,11 +354,15 @@ def test_a_block_drafter_is_costed_per_proposal(engines, drafter):
         assert not cost.block_draft and cost.draft_cost(7) == 7 * cost.draft_cost(1)
 
 
-def test_a_prefix_entry_keeps_the_dflash_context(engines, drafter, reference):
-    """A finished request's prefix-cache entry keeps DFlash's context K/V of the tokens it
-    holds, so a request starting from it drafts with the prompt's context (its state
-    starts at 0, never restarted), alone and in the batch, exactly; the chained kinds
-    keep nothing there (their state restarts at the hit, as the MTP head's does)."""
+def test_a_prefix_entry_keeps_the_drafters_context(engines, drafter, reference):
+    """A finished request's prefix-cache entry keeps DFlash's context K/V, or an EAGLE-3
+    chain's pairs (each with the token after it), of the tokens it holds; through the
+    real prefix cache -- a prompt extending the entry, and one that shares only part of
+    it (the entry cut back) -- a request starting from it drafts with the prompt's
+    context (its state starts at 0, never restarted), alone and in the batch, exactly.
+    Gemma-4's assistant keeps nothing there: it reads the target's cache, and drafts
+    from the hit's first step."""
+    kind = drafter[0]
     spec, batched = engines
     prompt = reference.tokenizer.encode(PROMPTS[1])
     registry = spec.registry
@@ -369,36 +373,47 @@ def test_a_prefix_entry_keeps_the_dflash_context(engines, drafter, reference):
     while spec.active is not None:
         released += spec.step().released
     (entry,) = released
-    if drafter[0] != "dflash":
+    held = seq.all_tokens[: entry.cached]
+    if kind == "assistant":
         assert entry.draft is None or not entry.draft.cache
-        return
-    assert entry.draft.fed == seq.all_tokens[: entry.cached]
-    follow = [*seq.all_tokens, *prompt[:3]]
-    expected = reference.greedy_tokens(follow, 40)
-    for engine in (spec, batched):
-        registry.transfer(engine.name)
-        hit = request("f", follow, 40)
-        draft = DraftState(detached_copy(entry.draft.cache), list(entry.draft.fed))
-        entry_copy = SequenceState(  # a hit: copies, as the prefix cache hands them out
-            make_sequence(hit, registry.tokenizer),
-            detached_copy(entry.cache),
-            entry.cached,
-            draft=draft,
-        )
-        starts = []
-        if engine is spec:
-            engine.admit(entry_copy)
-            starts.append(engine.active.mtp.start)
-            while engine.active is not None:
-                starts.append(engine.active.mtp.start)
-                engine.step()
-        else:
-            engine.admit(entry_copy)
-            while engine.batch_size:
-                starts += [row.mtp.start for row in engine.rows if row.mtp is not None]
-                engine.step()
-        assert entry_copy.seq.generated == expected, engine.name
-        assert starts and set(starts) == {0}, "the context was kept: no restart"
+    else:
+        ahead = 1 if kind == "eagle3" else 0
+        assert entry.draft.fed == seq.all_tokens[: len(entry.draft.fed)]
+        assert entry.draft.cache[0].offset == len(entry.draft.fed) - ahead >= entry.cached - 1
+    other = reference.tokenizer.encode(PROMPTS[2])[:4]
+    follows = {"extends": [*held, *prompt[:3]]}
+    if can_trim_prompt_cache(entry.cache):  # not Gemma 4's windows: mlx-lm cuts no entry
+        follows["cut"] = [*held[:-6], *other]
+    prefixes = PrefixCache()
+    prefixes.store(held, entry.cache, draft=entry.draft)
+    for name, follow in follows.items():
+        expected = reference.greedy_tokens(follow, 40)
+        for engine in (spec, batched):
+            registry.transfer(engine.name)
+            hit = prefixes.lookup(follow)
+            assert hit is not None and hit.cached >= len(held) - 6, name
+            state = SequenceState(
+                make_sequence(request("f", follow, 40), registry.tokenizer),
+                hit.cache,
+                hit.cached,
+                draft=hit.draft,
+            )
+            engine.admit(state)
+            starts = []
+            if engine is spec:
+                if kind != "assistant":  # the drafter holds the prompt's context already
+                    assert engine.active.mtp.length >= hit.cached - 1, (name, engine.name)
+                while engine.active is not None:
+                    starts.append(engine.active.mtp.start)
+                    engine.step()
+            else:
+                while engine.batch_size:
+                    starts += [row.mtp.start for row in engine.rows if row.mtp]
+                    engine.step()
+            assert state.seq.generated == expected, (name, engine.name)
+            assert feature_drafted([state.seq]) > 0, (name, engine.name)
+            if kind != "assistant":
+                assert starts and set(starts) == {0}, f"{name}, {engine.name}: restarted"
 
 
 def test_a_drafter_rejected_over_the_servers_life_starts_each_request_closed(

@@ -26,8 +26,9 @@ import mlx.core as mx
 from engines.batched.drafting import BatchRow, choose_tokens
 from engines.batched.mtp import BatchedMTP, HiddenTap
 from engines.cache.ragged_cache import RaggedKVCache
+from engines.cache.rollback import trim_exact
 from engines.drafting.draft import DRAFT
-from engines.drafting.feature_drafters import DFlashDrafter
+from engines.drafting.entries import drafter_entry
 from engines.drafting.kinds import ModelDrafterSetup
 from engines.drafting.mtp import MTPState
 from engines.faults import check
@@ -46,11 +47,12 @@ class FeatureRows(BatchedMTP):
         self.parts = setup.features
         self.target = HiddenTap(guarded, self.parts)
         self.vocab_size = setup.vocab_size
+        self.entry_ahead = drafter.entry_ahead
 
     def join(self, row: BatchRow, draft=None, mtp: MTPState | None = None) -> list:
-        """The row's drafter cache as it joins (or a prefix-cache entry's context); its
-        state kept with the row (none for a row that may not draft with it)."""
-        mtp = mtp or DFlashDrafter.from_entry(draft)
+        """The row's drafter cache as it joins (a prefix-cache entry's context comes as
+        `mtp`: `engines.state.resume_drafter`); its state kept with the row (none for a
+        row that may not draft with it)."""
         row.mtp = (mtp or MTPState()) if DRAFT in row.gates else None
         if row.mtp is None or row.mtp.cache is None:
             return self.module.make_cache()
@@ -74,7 +76,7 @@ class FeatureRows(BatchedMTP):
         """Row `index`'s context K/V for a prefix-cache entry (copies); the row goes on."""
         state = rows[index].mtp
         layers = [layer.extract(index) for layer in cache]
-        return DFlashDrafter.entry(state, rows[index].tokens, layers)
+        return drafter_entry(state, rows[index].tokens, layers, self.entry_ahead)
 
     def check(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> None:
         assert all(
@@ -169,13 +171,26 @@ class FeatureRows(BatchedMTP):
 
 class Eagle3Rows(BatchedMTP):
     """An EAGLE-3 speculator's rows: chained as the MTP head's are (its `pairs`,
-    `chained`, `batch_logits`), its one-layer cache kept ragged when a row leaves."""
+    `chained`, `batch_logits`), its one-layer cache kept ragged when a row leaves, and
+    its pairs kept in prefix-cache entries (`engines.drafting.entries`)."""
+
+    def copy(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):
+        """Row `index`'s true pairs (its chained drafts cut) for a prefix-cache entry
+        (copies); the row goes on."""
+        state = rows[index].mtp
+        if state is None:
+            return None
+        head = cache[0].extract(index)
+        trim_exact([head], head.offset - state.length)
+        return drafter_entry(state, rows[index].tokens, [head], self.entry_ahead)
 
     def leave(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):
+        """(the row's prefix-cache entry, its state with its own one-row cache again)."""
         state = rows[index].mtp
         if state is None:
             return None, None
+        entry = self.copy(cache, rows, index)
         own = cache[0].take([index])
         own.set_lengths([state.length])
         state.cache, state.speculative = [own], 0
-        return None, state
+        return entry, state

@@ -26,7 +26,7 @@ from engines.faults import check
 from engines.interface import StepResult, starting_state
 from engines.sequence import FinishReason, Sequence, StepOutput
 from engines.spec_config import SpecConfig
-from engines.state import SequenceState
+from engines.state import SequenceState, resume_drafter
 
 if TYPE_CHECKING:
     from engines.batched.mtp import BatchedMTP
@@ -90,6 +90,7 @@ class BatchMembership:
         pld = state.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
         row = BatchRow(seq, gates, pld)
         drafter = self.model_drafter
+        state = resume_drafter(state, getattr(drafter, "entry_ahead", None))
         draft_rows = drafter.join(row, state.draft, state.mtp) if drafter else None
         ready = state.cached == len(seq.all_tokens) - 1
         if ready and seq.generated and not self.groups:

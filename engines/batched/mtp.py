@@ -80,6 +80,8 @@ class BatchedMTP:
         self.parts = parts
         self.target = HiddenTap(guarded, parts)  # the batch's target forwards
         self.vocab_size = vocab_size
+        # what its prefix-cache entries keep (EAGLE-3: `engines.drafting.entries`)
+        self.entry_ahead = getattr(drafter, "entry_ahead", None)
 
     # ---- rows joining and leaving -------------------------------------------------
 
@@ -95,8 +97,8 @@ class BatchedMTP:
         return cache
 
     def copy(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int) -> None:
-        """No draft state: a prefix-cache entry keeps no head cache (a request started
-        from one feeds the head from its own forwards)."""
+        """No draft state: a prefix-cache entry keeps no MTP head cache (a request
+        started from one feeds the head from its own forwards)."""
         return None
 
     def leave(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):

@@ -27,9 +27,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engines.cache.ragged_cache import RaggedKVCache
 from engines.drafting.draft import ASSISTANT, DFLASH, EAGLE3, Draft, DraftStopRule
-from engines.drafting.draft_model import DraftState, chain_drafts
+from engines.drafting.draft_model import chain_drafts
 from engines.drafting.mtp import MTPDrafter, MTPState
 from engines.model.taps import FINAL, INPUT, OUTPUT, LayerTaps, decoder_layers
 from engines.request import SamplingParams
@@ -190,6 +189,7 @@ class DFlashDrafter:
 
     method = DFLASH
     fed_with_target = True
+    entry_ahead = 0  # prefix-cache entries keep its context K/V (`engines.drafting.entries`)
 
     def __init__(self, loaded: FeatureDrafter, vocab_size: int) -> None:
         self.loaded = loaded
@@ -198,27 +198,6 @@ class DFlashDrafter:
         self.block_size = loaded.block_size
         self.feature_width = loaded.feature_width
         self.vocab_size = vocab_size
-
-    # ---- prefix-cache entries: the context K/V of the positions the target's entry holds
-
-    @staticmethod
-    def entry(state: MTPState | None, tokens: list[int], layers: list) -> DraftState | None:
-        """What a prefix-cache entry keeps of the drafter: its context K/V (`layers`, one
-        sequence's, copied by the caller) as a `DraftState` of the tokens at those
-        positions -- position i's context depends on tokens <= i alone, so the entry's
-        trie cuts it with the target's. None when the state did not start at 0."""
-        if state is None or state.start != 0 or not state.length or not layers:
-            return None
-        return DraftState(layers, list(tokens[: state.length]))
-
-    @staticmethod
-    def from_entry(draft: DraftState | None) -> MTPState | None:
-        """The state a request starting from a prefix-cache entry drafts on: the entry's
-        context K/V, so DFlash keeps the prompt's context after a hit."""
-        if draft is None or not draft.cache:
-            return None
-        cache = [RaggedKVCache.from_caches([layer]) for layer in draft.cache]
-        return MTPState(cache=cache, start=0, length=cache[0].lengths[0])
 
     def feed(self, state: MTPState) -> mx.array | None:
         """Write the pending context to the drafter's cache (a long prompt's states
@@ -301,6 +280,7 @@ class Eagle3Drafter(MTPDrafter):
 
     method = EAGLE3
     fed_with_target = True
+    entry_ahead = 1  # entries keep its chain's pairs, each with the token after it
 
     def __init__(self, loaded: FeatureDrafter, vocab_size: int) -> None:
         self.module = loaded.module

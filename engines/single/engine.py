@@ -36,6 +36,7 @@ from engines.cache.rollback import (
 from engines.drafting.draft import DRAFT, PLD, Draft, ModelDrafter
 from engines.drafting.draft_model import DraftState
 from engines.drafting.draft_vocab import describe_vocabulary, vocabulary_of
+from engines.drafting.entries import drafter_entry
 from engines.drafting.mtp import MTPState
 from engines.drafting.prompt_lookup import PromptLookupDrafter
 from engines.gating.measured_costs import PLAIN, CostModel
@@ -52,7 +53,7 @@ from engines.single.active import Active
 from engines.single.policy import SingleStreamPolicy
 from engines.spec_config import SpecConfig
 from engines.speculation import Speculation, build_speculation
-from engines.state import SequenceState
+from engines.state import SequenceState, resume_drafter
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +126,11 @@ class SpeculativeEngine:
         """Continue a sequence from handed-over state, without re-prefilling its cache."""
         assert self.active is None, "the speculative engine serves one sequence at a time"
         seq = state.seq
+        state = resume_drafter(state, getattr(self.drafter, "entry_ahead", None))
         active = Active(seq, state.cache, state.cached, seq.processors)
         active.pld = state.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
         active.draft = state.draft or DraftState()
-        from_entry = getattr(self.drafter, "from_entry", None)  # DFlash's prompt context
-        active.mtp = state.mtp or (from_entry and from_entry(state.draft)) or MTPState()
+        active.mtp = state.mtp or MTPState()
         if active.processors:
             active.history = mx.array(active.tokens[: state.cached], dtype=mx.int32)
         active.gates = state.gates if state.gates is not None else self.limits.initial_gates(seq)
@@ -204,14 +205,14 @@ class SpeculativeEngine:
         return SequenceState(active.seq, detached_copy(active.cache), active.cached, draft=draft)
 
     def _feature_entry(self, active: Active) -> DraftState | None:
-        """What a prefix-cache entry keeps of a feature drafter (DFlash's context K/V, as
-        copies), or None: the drafter keeps nothing there."""
-        entry = getattr(self.drafter, "entry", None)
-        if entry is None or active.mtp.cache is None:
+        """What a prefix-cache entry keeps of a feature drafter (DFlash's context K/V,
+        an EAGLE-3 chain's pairs; copies), or None: the drafter keeps nothing there."""
+        ahead = getattr(self.drafter, "entry_ahead", None)
+        if ahead is None or active.mtp.cache is None:
             return None
         self.drafter.feed(active.mtp)  # its pending positions too: the entry holds them all
         layers = [layer.extract(0) for layer in active.mtp.cache]
-        return entry(active.mtp, active.tokens, layers)
+        return drafter_entry(active.mtp, active.tokens, layers, ahead)
 
     # ---- the step ---------------------------------------------------------------
 

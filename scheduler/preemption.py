@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from mlx_lm.models.cache import make_prompt_cache
 
 from engines.errors import InvalidRequest
-from engines.state import SequenceState
+from engines.state import Drafting, SequenceState
 from scheduler.kv_budget import GB, KVBudget, cache_bytes
 from scheduler.policy import Mode
 from scheduler.tracking import Command, TrackedRequest
@@ -105,7 +105,9 @@ class Preemption:
         state, result = engine.hand_over(request_id)
         self._absorb(result)  # nothing in flight: settled above
         fresh = make_prompt_cache(self.registry.target.model)  # resumes by a prefill
-        tracked.parked = SequenceState(state.seq, fresh, 0, state.gates, state.pld)
+        # its gates and n-gram index go on; its caches (target and drafter) are freed
+        drafting = Drafting(gates=state.drafting.gates, pld=state.drafting.pld)
+        tracked.parked = SequenceState(state.seq, fresh, 0, drafting)
         self.requests.requeue(tracked)
         self.kv.release(request_id)
         self.kv.preemptions += 1
@@ -125,9 +127,9 @@ def _engine_layers(engine: Any) -> list:
     active = getattr(engine, "active", None)
     if active is None:
         return []
-    return [*active.cache, *(active.draft.cache or [])]
+    return [*active.cache, *(active.drafting.draft.cache or [])]
 
 
 def _state_layers(state: SequenceState) -> list:
-    draft = state.draft.cache if state.draft is not None and state.draft.cache else []
-    return [*state.cache, *draft]
+    draft = state.drafting.draft.cache if state.drafting.draft is not None else None
+    return [*state.cache, *(draft or [])]

@@ -34,7 +34,7 @@ class PrefixReuse:
         hit = self.cache.lookup(prompt, scope) if self.cache is not None else None
         if hit is None:
             return SequenceState(seq, make_prompt_cache(model), 0)
-        return SequenceState(seq, hit.cache, hit.cached, draft=hit.draft)
+        return SequenceState.entry(seq, hit.cache, hit.cached, hit.draft)
 
     def waits_for_disk(self, tracked: TrackedRequest) -> bool:
         """Whether `tracked` waits for a disk entry to be read for it: the engine thread
@@ -66,4 +66,6 @@ class PrefixReuse:
             tokens = state.seq.all_tokens
             if state.cached <= len(tokens):
                 scope = state.seq.request.cache_scope
-                self.cache.store(tokens[: state.cached], state.cache, scope, state.draft, kind)
+                self.cache.store(
+                    tokens[: state.cached], state.cache, scope, state.drafting.draft, kind
+                )

@@ -428,14 +428,14 @@ def test_caches_released_mid_run_continue_exactly_from_the_prefix_cache(self_eng
         tokens = state.seq.all_tokens
         assert state.cached <= len(tokens)
         assert all(layer.offset == state.cached for layer in state.cache)
-        prefix.store(tokens[: state.cached], state.cache, "", state.draft)
+        prefix.store(tokens[: state.cached], state.cache, "", state.drafting.draft)
     follow_ups = []
     for rid in ("stop", "eos", "len"):
         tokens = seqs[rid].all_tokens + encode(reference, " and then")[1:]
         hit = prefix.lookup(tokens)
         assert hit is not None and hit.cached > len(seqs[rid].request.prompt_tokens), rid
         seq = make_sequence(greedy_request(f"{rid}2", tokens, 25), tokenizer)
-        engine.admit(SequenceState(seq, hit.cache, hit.cached, draft=hit.draft))
+        engine.admit(SequenceState.entry(seq, hit.cache, hit.cached, hit.draft))
         follow_ups.append((seq, tokens))
     while engine.batch_size:
         engine.step()

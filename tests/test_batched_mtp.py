@@ -133,8 +133,8 @@ def test_a_request_carries_its_head_into_the_batch_and_back_out(engines, referen
     never restarts); output equals uninterrupted decoding."""
     spec, engine = engines["copy"]
     seq, back, _ = round_trip_through_the_batch(spec, engine, references["copy"])
-    assert back.mtp is not None and back.mtp.cache is not None
-    assert back.mtp.start == 0, "the head never restarted"
+    assert back.drafting.mtp is not None and back.drafting.mtp.cache is not None
+    assert back.drafting.mtp.start == 0, "the head never restarted"
     assert seq.spec.by_method["mtp"].accepted_tokens > 40
 
 

@@ -83,8 +83,8 @@ def test_migration_in_and_out_of_the_batch_keeps_draft_state_and_output(perturbe
     its draft-model cache and its n-gram index; output equals uninterrupted decoding."""
     spec, engine = perturbed
     seq, back, _ = round_trip_through_the_batch(spec, engine, reference)
-    assert back.draft is not None and back.pld is not None
-    assert back.draft.fed == seq.all_tokens[: len(back.draft.fed)]
+    assert back.drafting.draft is not None and back.drafting.pld is not None
+    assert back.drafting.draft.fed == seq.all_tokens[: len(back.drafting.draft.fed)]
     assert seq.spec.by_method["draft"].draft_tokens > 0
 
 

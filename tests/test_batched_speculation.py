@@ -300,8 +300,10 @@ def round_trip_through_the_batch(spec, engine, reference):
     while len(seq.generated) < 20:
         spec.step()
     state, _ = spec.hand_over("m")
+    drafting = state.drafting  # the request's one drafting state, in every engine
     registry.transfer(engine.name)
     engine.take_over(state)
+    assert [row.drafting for row in engine.rows if row.drafting is drafting]
     other = greedy_request("o", reference.tokenizer.encode(PROMPTS[1]), 30)
     other_seq = make_sequence(other, registry.tokenizer)
     engine.admit(other_seq)
@@ -310,8 +312,10 @@ def round_trip_through_the_batch(spec, engine, reference):
     engine.settle()
     back, _ = engine.hand_over("m")
     assert back.cached == len(seq.all_tokens) - 1
+    assert back.drafting is drafting
     registry.transfer(spec.name)
     spec.take_over(back)
+    assert spec.active.drafting is drafting
     while spec.active is not None:
         spec.step()
     registry.transfer(engine.name)
@@ -332,7 +336,7 @@ def test_each_row_has_its_own_ngram_index(tiny_model_dir, reference):
     seqs, _, _ = run_batch(engine, requests)
     assert seqs["a"].generated == reference.greedy_tokens(a, 20)
     assert seqs["b"].generated == reference.greedy_tokens(b, 20)
-    rows_seen = {id(row.pld) for row in engine.rows}
+    rows_seen = {id(row.drafting.pld) for row in engine.rows}
     assert len(rows_seen) == len(engine.rows)
 
 

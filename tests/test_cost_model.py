@@ -429,7 +429,7 @@ def test_the_engine_feeds_each_request_s_prompt_lookup_outcomes_to_its_gate(tiny
     request = greedy_request(prompt, 48, SpeculationOverrides(enable_pld=True))
     seq = make_sequence(request, registry.tokenizer)
     engine.admit(seq)
-    gate = engine.active.gates[PLD]
+    gate = engine.active.drafting.gates[PLD]
     while engine.active is not None:
         engine.step()
     lookups = seq.spec.by_method["pld"].drafts if "pld" in seq.spec.by_method else 0

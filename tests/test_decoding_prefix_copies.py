@@ -103,8 +103,8 @@ def test_the_copy_carries_the_draft_models_cache(drafting, reference, which):
     engine, seq, tokens = decoding_leader(drafting, which, reference, 12)
     prompt, max_tokens = list(seq.request.prompt_tokens), seq.request.max_tokens
     copy = engine.copy_cache("leader")
-    assert copy is not None and copy.draft is not None
-    assert len(copy.draft.fed) >= len(prompt)
+    assert copy is not None and copy.drafting.draft is not None
+    assert len(copy.drafting.draft.fed) >= len(prompt)
     copied_tokens = seq.all_tokens[: copy.cached]
     assert run(engine, tokens) == reference.greedy_tokens(prompt, max_tokens)
 
@@ -114,7 +114,7 @@ def test_the_copy_carries_the_draft_models_cache(drafting, reference, which):
     again = make_sequence(greedy_request("again", longer, 12), reference.tokenizer)
     start = reuse.start(again, engine.registry.target.model)
     assert start.cached >= len(prompt)
-    assert start.draft is not None and start.draft.fed == longer[: start.cached]
+    assert start.drafting.draft is not None and start.drafting.draft.fed == longer[: start.cached]
     engine.admit(start)
     assert run(engine) == reference.greedy_tokens(longer, 12)
 

@@ -179,12 +179,12 @@ def test_a_request_carries_its_drafter_cache_into_the_batch_and_back(engines, dr
     newest target state) goes into the batch and back out: it never restarts."""
     spec, batched = engines
     seq, back, _ = round_trip_through_the_batch(spec, batched, reference)
-    assert back.mtp is not None
+    assert back.drafting.mtp is not None
     if drafter[0] == "assistant":  # no cache of its own: it reads the target's K/V
-        assert back.mtp.newest is not None
+        assert back.drafting.mtp.newest is not None
     else:
-        assert back.mtp.cache is not None
-    assert back.mtp.start == 0, "the drafter saw every position on both sides"
+        assert back.drafting.mtp.cache is not None
+    assert back.drafting.mtp.start == 0, "the drafter saw every position on both sides"
     assert feature_drafted([seq]) > 0
 
 
@@ -375,40 +375,37 @@ def test_a_prefix_entry_keeps_the_drafters_context(engines, drafter, reference):
     (entry,) = released
     held = seq.all_tokens[: entry.cached]
     if kind == "assistant":
-        assert entry.draft is None or not entry.draft.cache
+        assert entry.drafting.draft is None or not entry.drafting.draft.cache
     else:
         ahead = 1 if kind == "eagle3" else 0
-        assert entry.draft.fed == seq.all_tokens[: len(entry.draft.fed)]
-        assert entry.draft.cache[0].offset == len(entry.draft.fed) - ahead >= entry.cached - 1
+        kept = entry.drafting.draft
+        assert kept.fed == seq.all_tokens[: len(kept.fed)]
+        assert kept.cache[0].offset == len(kept.fed) - ahead >= entry.cached - 1
     other = reference.tokenizer.encode(PROMPTS[2])[:4]
     follows = {"extends": [*held, *prompt[:3]]}
     if can_trim_prompt_cache(entry.cache):  # not Gemma 4's windows: mlx-lm cuts no entry
         follows["cut"] = [*held[:-6], *other]
     prefixes = PrefixCache()
-    prefixes.store(held, entry.cache, draft=entry.draft)
+    prefixes.store(held, entry.cache, draft=entry.drafting.draft)
     for name, follow in follows.items():
         expected = reference.greedy_tokens(follow, 40)
         for engine in (spec, batched):
             registry.transfer(engine.name)
             hit = prefixes.lookup(follow)
             assert hit is not None and hit.cached >= len(held) - 6, name
-            state = SequenceState(
-                make_sequence(request("f", follow, 40), registry.tokenizer),
-                hit.cache,
-                hit.cached,
-                draft=hit.draft,
-            )
+            seq = make_sequence(request("f", follow, 40), registry.tokenizer)
+            state = SequenceState.entry(seq, hit.cache, hit.cached, hit.draft)
             engine.admit(state)
             starts = []
             if engine is spec:
                 if kind != "assistant":  # the drafter holds the prompt's context already
-                    assert engine.active.mtp.length >= hit.cached - 1, (name, engine.name)
+                    assert engine.active.drafting.mtp.length >= hit.cached - 1, (name, engine.name)
                 while engine.active is not None:
-                    starts.append(engine.active.mtp.start)
+                    starts.append(engine.active.drafting.mtp.start)
                     engine.step()
             else:
                 while engine.batch_size:
-                    starts += [row.mtp.start for row in engine.rows if row.mtp]
+                    starts += [row.drafting.mtp.start for row in engine.rows if row.drafting.mtp]
                     engine.step()
             assert state.seq.generated == expected, (name, engine.name)
             assert feature_drafted([state.seq]) > 0, (name, engine.name)

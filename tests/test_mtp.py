@@ -30,7 +30,7 @@ from engines.sample.sampling import RandomStream
 from engines.sequence import make_sequence
 from engines.single.engine import SpeculativeEngine
 from engines.spec_config import SpecConfig
-from engines.state import SequenceState
+from engines.state import Drafting, SequenceState
 from tests.conftest import Reference, make_client, start_scheduler
 from tests.distributions import assert_same_token_distribution
 from tests.test_metrics import scrape, value
@@ -154,7 +154,8 @@ def test_export_and_resume_mid_stream_is_exact_and_keeps_drafting(
         first.step()
     state, _ = first.hand_over(seq.request_id)
     if not keep_head_state:
-        state = SequenceState(state.seq, state.cache, state.cached, state.gates, state.pld)
+        drafting = Drafting(gates=state.drafting.gates, pld=state.drafting.pld)
+        state = SequenceState(state.seq, state.cache, state.cached, drafting)
     drafted_before = seq.spec.by_method["mtp"].draft_tokens
     second = make_engine(checkpoints["copy"])
     second.take_over(state)
@@ -227,7 +228,7 @@ def test_the_heads_drafts_are_drawn_from_the_q_it_reports(engines, references):
     draws, q = [], None
     for seed in range(3000):
         draft = engine.drafter.propose(
-            active.mtp,
+            active.drafting.mtp,
             active.tokens,
             1,
             params,

@@ -85,7 +85,7 @@ def test_an_engine_copies_the_cache_out_at_a_kept_position(request, reference, w
     assert [c.cached for c in copies] == [kept_at]
     assert seq.prefilled == len(prompt) - 1
     if pair == "drafting":
-        fed = copies[0].draft.fed  # fed in chunks of its own: the store cuts it back
+        fed = copies[0].drafting.draft.fed  # fed in chunks of its own: the store cuts it back
         assert kept_at <= len(fed) and fed == prompt[: len(fed)]
 
     reuse = PrefixReuse(PrefixCache())
@@ -95,7 +95,7 @@ def test_an_engine_copies_the_cache_out_at_a_kept_position(request, reference, w
     start = reuse.start(follower, engine.registry.target.model)
     assert start.cached == kept_at
     if pair == "drafting":
-        assert start.draft.fed == other[:kept_at]
+        assert start.drafting.draft.fed == other[:kept_at]
     engine.admit(start)
     tokens = []
     while engine.active_ids:

@@ -28,6 +28,7 @@ from engines.drafting.prompt_lookup import PromptLookupDrafter
 from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
 from engines.sequence import make_sequence
+from engines.state import Drafting
 from scheduler import SchedulerState
 from tests.conftest import Reference, start_scheduler
 from tests.test_batched_speculation import (
@@ -214,7 +215,8 @@ def test_windowed_draft_rows_roll_back_whole_drafts_rejected_across_slides(
     rows = []
     for i in range(2):
         request = greedy_request(f"d{i}", reference.tokenizer.encode(PROMPTS[i]), 200)
-        rows.append(BatchRow(make_sequence(request, registry.tokenizer), {}, PromptLookupDrafter()))
+        seq = make_sequence(request, registry.tokenizer)
+        rows.append(BatchRow(seq, Drafting({}, PromptLookupDrafter())))
     cache = ragged_from_rows([drafter.join(row, None) for row in rows])
     for _ in range(2 * SLIDING_WINDOW + k):
         for row in rows:
@@ -225,7 +227,7 @@ def test_windowed_draft_rows_roll_back_whole_drafts_rejected_across_slides(
     assert any(max(layer.starts) > 0 for layer in cache if layer.window), "windows slid"
     drafter.draft(cache, rows)
     for i, row in enumerate(rows):
-        fresh = BatchRow(row.seq, {}, PromptLookupDrafter(), method=DRAFT, draft_length=k)
+        fresh = BatchRow(row.seq, Drafting({}, PromptLookupDrafter()), method=DRAFT, draft_length=k)
         fresh_cache = ragged_from_rows([drafter.join(fresh, None)])
         drafter.draft(fresh_cache, [fresh])
         assert row.drafts == fresh.drafts, i

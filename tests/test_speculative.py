@@ -317,7 +317,7 @@ def test_each_request_drafts_from_its_own_ngram_index(pld_engine, reference):
     seq = make_sequence(GenerationRequest("b", tuple(b), 4, GREEDY), reference.tokenizer)
     pld_engine.admit(seq)
     try:
-        drafter = pld_engine.active.pld
+        drafter = pld_engine.active.drafting.pld
         draft = drafter.propose(pld_engine.active.tokens, 4)
         assert draft is not None and draft.tokens == fresh[3:7]
         assert drafter.tokens == b, "the index holds B's tokens only"

@@ -29,32 +29,32 @@ class AssistantRows(BatchedMTP):
     """The assistant as the batch's model drafter (the calls `BatchedMTP` answers)."""
 
     def join(self, row: BatchRow, draft=None, mtp: MTPState | None = None) -> list:
-        row.mtp = (mtp or MTPState()) if DRAFT in row.gates else None
-        if row.mtp is not None:
-            row.mtp.target_cache = None  # the batch's rows are what it reads here
+        row.drafting.mtp = (mtp or MTPState()) if DRAFT in row.drafting.gates else None
+        if row.drafting.mtp is not None:
+            row.drafting.mtp.target_cache = None  # the batch's rows are what it reads here
         return [RaggedKVCache([0])]
 
     def leave(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):
-        return None, rows[index].mtp
+        return None, rows[index].drafting.mtp
 
     def check(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> None:
         assert all(length == 0 for length in cache[0].lengths), "the assistant keeps no cache"
 
     def feed(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> None:
         for row in rows:
-            if row.mtp is not None:
-                self.drafter.feed(row.mtp)
+            if row.drafting.mtp is not None:
+                self.drafter.feed(row.drafting.mtp)
 
     def draft(
         self, cache: list[RaggedKVCache], rows: list[BatchRow], target: list | None = None
     ) -> tuple[int, bool]:
         """`row.draft_length` drafts for every row drafting with the assistant whose
         state holds its target row's newest position (others draft nothing)."""
-        steady = all(row.mtp is None or row.mtp.pending <= 2 for row in rows)
+        steady = all(row.drafting.mtp is None or row.drafting.mtp.pending <= 2 for row in rows)
         self.feed(cache, rows)
         lengths = []
         for row in rows:
-            state, held = row.mtp, len(row.tokens) - 1
+            state, held = row.drafting.mtp, len(row.tokens) - 1
             ok = (
                 row.method == self.method
                 and state is not None
@@ -73,10 +73,10 @@ class AssistantRows(BatchedMTP):
         """One assistant step per drafted position over every row; each drafting row
         takes its token as a chained drafter does (`choose_tokens`)."""
         kv, slots = shared_kv(target, self.drafter.layers)
-        like = next(row.mtp.newest for row, n in zip(rows, lengths, strict=True) if n)
+        like = next(row.drafting.mtp.newest for row, n in zip(rows, lengths, strict=True) if n)
         hidden = mx.stack(
             [
-                row.mtp.newest if n else mx.zeros_like(like)
+                row.drafting.mtp.newest if n else mx.zeros_like(like)
                 for row, n in zip(rows, lengths, strict=True)
             ]
         )
@@ -97,4 +97,4 @@ class AssistantRows(BatchedMTP):
 
     def recover(self, cache: list[RaggedKVCache], rows: list[BatchRow], failed: list[int]) -> None:
         for i in failed:
-            rows[i].mtp = None
+            rows[i].drafting.mtp = None

@@ -90,7 +90,7 @@ def stop_drafting(rows: list[Any], method: str, exc: BaseException, where: str) 
     ids = ", ".join(row.seq.request_id for row in rows) or "no row"
     log.error("%s failed for %s; they go on without it", where, ids, exc_info=exc)
     for row in rows:
-        if row.gates.pop(method, None) is not None:
+        if row.drafting.gates.pop(method, None) is not None:
             row.seq.spec.trip("failure")
 
 

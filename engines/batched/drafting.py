@@ -32,11 +32,10 @@ from engines.cache.ragged_cache import (
 from engines.drafting.draft import DRAFT, PLD, SUFFIX, Draft
 from engines.drafting.draft_model import DraftState, choose_draft_token, shared_prefix
 from engines.drafting.draft_vocab import OwnTokens, bind_own
-from engines.drafting.mtp import MTPState
-from engines.drafting.prompt_lookup import PromptLookupDrafter
 from engines.faults import RowFault, check
-from engines.gating.gates import MethodGate, expected_tokens
+from engines.gating.gates import expected_tokens
 from engines.sequence import Sequence
+from engines.state import Drafting
 
 
 @dataclass
@@ -45,15 +44,15 @@ class BatchRow:
     and changed on the engine thread only)."""
 
     seq: Sequence
-    gates: dict[str, MethodGate]
-    pld: PromptLookupDrafter
+    # the request's own drafting state (`drafting.draft` is None here: its draft cache
+    # is this row of the batch's; `drafting.mtp` None when it may not use the head)
+    drafting: Drafting
     draft_fed: list[int] = field(default_factory=list)  # tokens in its draft-cache row
     drafts: list[int] = field(default_factory=list)  # this step's proposal
     draft_length: int = 0  # how many tokens the draft model drafts for it this step
     probs: mx.array | None = None  # (k, V) q of a sampled draft-model proposal
     method: str | None = None
     match: int = 0  # the match length of this step's lookup proposal (PLD's or SUFFIX's)
-    mtp: MTPState | None = None  # its MTP head's bookkeeping (`batched_mtp`), if it may use it
     own: OwnTokens = field(default_factory=OwnTokens)  # its tokens a reduced draft scores
     # the draft model failed on it: its draft-cache row is fed no more, and it leaves
     # without a draft state (its gate is gone too: `containment.contain_draft_failure`)
@@ -84,8 +83,8 @@ def plan_rows(
             row.drafts, row.method = proposal.tokens, proposal.method
             row.match = proposal.match_length
             row_options.append(RowOption(acceptance, len(proposal.tokens), False))
-        if cap > 0 and DRAFT in row.gates and model_drafter is not None:
-            row_options.append(RowOption(row.gates[DRAFT].acceptance(), cap, True))
+        if cap > 0 and DRAFT in row.drafting.gates and model_drafter is not None:
+            row_options.append(RowOption(row.drafting.gates[DRAFT].acceptance(), cap, True))
         options.append(row_options)
     k_max = max(caps, default=0)
     if k_max == 0:
@@ -107,19 +106,19 @@ def lookup_proposal(row: BatchRow, cap: int) -> tuple[Draft | None, tuple[float,
     wins a tie) or the suffix drafter's (its key's earlier requests). A suffix gate with
     nothing to propose rests a few tokens."""
     candidates = []
-    if PLD in row.gates:
-        candidates.append(_proposal(row, PLD, lambda: row.pld.propose(row.tokens, cap)))
-    gate = row.gates.get(SUFFIX)
+    if PLD in row.drafting.gates:
+        candidates.append(_proposal(row, PLD, lambda: row.drafting.pld.propose(row.tokens, cap)))
+    gate = row.drafting.gates.get(SUFFIX)
     if gate is not None and gate.due and row.seq.suffix is not None:
         suffix = _proposal(row, SUFFIX, lambda: row.seq.suffix.propose(row.tokens, cap))
-        if suffix is None and SUFFIX in row.gates:
+        if suffix is None and SUFFIX in row.drafting.gates:
             gate.rest()
         candidates.append(suffix)
     best, best_acceptance, best_gain = None, (), 0.0
     for draft in candidates:
         if draft is None:
             continue
-        gate = row.gates[draft.method]
+        gate = row.drafting.gates[draft.method]
         acceptance = gate.acceptance(draft.match_length, draft.confidences or None)
         gain = expected_tokens(acceptance, len(draft.tokens))
         if gain > best_gain:

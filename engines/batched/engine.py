@@ -201,7 +201,7 @@ class BatchedSpeculativeEngine(BatchMembership):
         held = 0 if queue_next else 1  # tokens a row's cache lacks after the commit
         outputs, finished = [], []
         for i, (row, token) in enumerate(zip(self.rows, tokens, strict=True)):
-            for gate in row.gates.values():
+            for gate in row.drafting.gates.values():
                 gate.plain_token()
             self._result.step_sizes.append((current.width, 0))
             output = commit_row(row, [token], current.logprobs[i : i + 1])
@@ -355,9 +355,9 @@ class BatchedSpeculativeEngine(BatchMembership):
         """The longest draft `method` may propose for the row: the single-stream rule,
         with lookup held to the draft model's cap (one row's long lookup draft would pad
         every row's verify)."""
-        if not row.gates:
+        if not row.drafting.gates:
             return 0
-        gate = row.gates.get(DRAFT)
+        gate = row.drafting.gates.get(DRAFT)
         if method == DRAFT and gate and not gate.due and self.limits.drafter_distrusted():
             return 0  # a drafter the server's life rejected waits out the row's cooldown
         seq = row.seq
@@ -414,7 +414,7 @@ class BatchedSpeculativeEngine(BatchMembership):
             if drafted:
                 self._record(row, drafted, accepted)
             else:
-                for gate in row.gates.values():
+                for gate in row.drafting.gates.values():
                     gate.plain_token()
             self._result.step_sizes.append((len(self.rows), drafted))
             output = commit_row(row, [*fed[1 : 1 + accepted], next_token], logprobs[i])
@@ -432,7 +432,7 @@ class BatchedSpeculativeEngine(BatchMembership):
         row.seq.spec.record(row.method, drafted, accepted)
         self.limits.totals.record(row.method, drafted, accepted)  # the server's life, both engines
         method = DRAFT if row.method in MODEL_DRAFTERS else row.method  # one model drafter gate
-        gate = row.gates[method]
+        gate = row.drafting.gates[method]
         k_max = self._row_cap(row, method) or drafted
         match = row.match if row.method in LOOKUPS else 0
         if gate.record(drafted, accepted, k_max, self.costs.prior, match=match):

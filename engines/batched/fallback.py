@@ -27,7 +27,7 @@ from engines.request import SamplingParams
 from engines.sample.logprobs import token_logprob
 from engines.sample.sampling import RandomStream, sampling_logits
 from engines.sequence import FinishReason, Sequence, StepOutput
-from engines.state import SequenceState
+from engines.state import Drafting, SequenceState
 
 Sampler = Callable[[mx.array], mx.array]
 log = logging.getLogger(__name__)
@@ -142,8 +142,8 @@ class BatchedEngine:
         )
         self._seqs[uid] = seq
         self._uids[seq.request_id] = uid
-        if state.gates is not None:
-            self._gates[seq.request_id] = state.gates
+        if state.drafting.gates is not None:  # kept for the engine it goes back to
+            self._gates[seq.request_id] = state.drafting.gates
 
     def hand_over(self, request_id: str) -> tuple[SequenceState | None, StepResult]:
         """Leave the batch with the KV cache of every committed token but the last
@@ -160,7 +160,8 @@ class BatchedEngine:
             # that cannot roll back raises: such models never migrate (`supports_rollback`).
             trim_exact(cache, cached - len(seq.all_tokens) + 1)
             cached = len(seq.all_tokens) - 1
-        return SequenceState(seq, cache, cached, self._gates.pop(request_id, None)), StepResult()
+        drafting = Drafting(gates=self._gates.pop(request_id, None))
+        return SequenceState(seq, cache, cached, drafting), StepResult()
 
     def settle(self) -> StepResult:
         """Nothing to settle: a row leaves mlx-lm's generator with what it committed."""

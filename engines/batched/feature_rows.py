@@ -13,7 +13,7 @@ context written (a block of one position, whose logits nobody reads). Each draft
 row then picks its tokens from the block's logits as a chained drafter would (argmax,
 or a draw from its processed q with its own RNG), so verification is unchanged.
 
-Invariant: drafter-cache row i holds exactly `rows[i].mtp.length` context positions
+Invariant: drafter-cache row i holds exactly `rows[i].drafting.mtp.length` context positions
 (a DFlash cache never holds a draft, so nothing is cut before a feed).
 """
 
@@ -53,16 +53,16 @@ class FeatureRows(BatchedMTP):
         """The row's drafter cache as it joins (a prefix-cache entry's context comes as
         `mtp`: `engines.state.resume_drafter`); its state kept with the row (none for a
         row that may not draft with it)."""
-        row.mtp = (mtp or MTPState()) if DRAFT in row.gates else None
-        if row.mtp is None or row.mtp.cache is None:
+        row.drafting.mtp = (mtp or MTPState()) if DRAFT in row.drafting.gates else None
+        if row.drafting.mtp is None or row.drafting.mtp.cache is None:
             return self.module.make_cache()
-        cache, row.mtp.cache = row.mtp.cache, None  # the batch holds it now
+        cache, row.drafting.mtp.cache = row.drafting.mtp.cache, None  # the batch holds it now
         return cache
 
     def leave(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):
         """(what a prefix-cache entry keeps of it, the row's state with its own drafter
         cache again)."""
-        state = rows[index].mtp
+        state = rows[index].drafting.mtp
         if state is None:
             return None, None
         entry = self.copy(cache, rows, index)
@@ -74,18 +74,19 @@ class FeatureRows(BatchedMTP):
 
     def copy(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):
         """Row `index`'s context K/V for a prefix-cache entry (copies); the row goes on."""
-        state = rows[index].mtp
+        state = rows[index].drafting.mtp
         layers = [layer.extract(index) for layer in cache]
         return drafter_entry(state, rows[index].tokens, layers, self.entry_ahead)
 
     def check(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> None:
         assert all(
-            row.mtp is None or cache[0].lengths[i] == row.mtp.length for i, row in enumerate(rows)
+            row.drafting.mtp is None or cache[0].lengths[i] == row.drafting.mtp.length
+            for i, row in enumerate(rows)
         ), "drafter row out of step"
 
     def feed(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> None:
         """Write every row's pending context (a block of one mask position each)."""
-        if any(row.mtp is not None and row.mtp.pending for row in rows):
+        if any(row.drafting.mtp is not None and row.drafting.mtp.pending for row in rows):
             self._forward(cache, rows, [[] for _ in rows])
 
     def _forward(
@@ -93,7 +94,7 @@ class FeatureRows(BatchedMTP):
     ) -> mx.array:
         """One ragged drafter forward: row i's pending context, then `blocks[i]`
         (padded with mask tokens to the widest). Logits (B, width - 1, V)."""
-        states = [row.mtp for row in rows]
+        states = [row.drafting.mtp for row in rows]
         counts = [state.pending if state else 0 for state in states]
         width = max(2 if any(blocks) else 1, *(len(block) for block in blocks))
         tokens = [block + [self.mask_token] * (width - len(block)) for block in blocks]
@@ -118,10 +119,10 @@ class FeatureRows(BatchedMTP):
     ) -> tuple[int, bool]:
         """`row.draft_length` drafts for every row drafting with DFlash whose state has
         seen its newest token but one (others draft nothing), in one forward."""
-        steady = all(row.mtp is None or row.mtp.pending <= 2 for row in rows)
+        steady = all(row.drafting.mtp is None or row.drafting.mtp.pending <= 2 for row in rows)
         ready = []
         for row in rows:
-            state = row.mtp
+            state = row.drafting.mtp
             ok = (
                 row.method == self.method
                 and state is not None
@@ -161,12 +162,12 @@ class FeatureRows(BatchedMTP):
         for layer in cache:
             layer.set_lengths(
                 [
-                    0 if row.mtp is None else min(row.mtp.length, n)
+                    0 if row.drafting.mtp is None else min(row.drafting.mtp.length, n)
                     for row, n in zip(rows, layer.lengths, strict=True)
                 ]
             )
         for i in failed:
-            rows[i].mtp = None
+            rows[i].drafting.mtp = None
 
 
 class Eagle3Rows(BatchedMTP):
@@ -177,7 +178,7 @@ class Eagle3Rows(BatchedMTP):
     def copy(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):
         """Row `index`'s true pairs (its chained drafts cut) for a prefix-cache entry
         (copies); the row goes on."""
-        state = rows[index].mtp
+        state = rows[index].drafting.mtp
         if state is None:
             return None
         head = cache[0].extract(index)
@@ -186,7 +187,7 @@ class Eagle3Rows(BatchedMTP):
 
     def leave(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):
         """(the row's prefix-cache entry, its state with its own one-row cache again)."""
-        state = rows[index].mtp
+        state = rows[index].drafting.mtp
         if state is None:
             return None, None
         entry = self.copy(cache, rows, index)

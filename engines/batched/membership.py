@@ -86,12 +86,15 @@ class BatchMembership:
         cache, whose first token would otherwise wait for a verify of the whole batch
         at its full draft length."""
         seq = state.seq
-        gates = state.gates if state.gates is not None else self.limits.initial_gates(seq)
-        pld = state.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
-        row = BatchRow(seq, gates, pld)
         drafter = self.model_drafter
         state = resume_drafter(state, getattr(drafter, "entry_ahead", None))
-        draft_rows = drafter.join(row, state.draft, state.mtp) if drafter else None
+        drafting = state.drafting  # the request's own, kept as the same object
+        if drafting.gates is None:
+            drafting.gates = self.limits.initial_gates(seq)
+        drafting.pld = drafting.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
+        row = BatchRow(seq, drafting)
+        draft, drafting.draft = drafting.draft, None  # its cache becomes the batch's row
+        draft_rows = drafter.join(row, draft, drafting.mtp) if drafter else None
         ready = state.cached == len(seq.all_tokens) - 1
         if ready and seq.generated and not self.groups:
             check([row], "insert")
@@ -156,7 +159,9 @@ class BatchMembership:
         layers = [layer.extract(i) for layer in cache]
         draft, mtp = self._drafter_states(draft_cache, rows, i)
         self._remove(group, i)
-        return SequenceState(row.seq, layers, cached, row.gates, row.pld, draft, mtp)
+        # its own caches again (a feature drafter's state, not the entry it would leave)
+        row.drafting.draft, row.drafting.mtp = (draft, None) if mtp is None else (None, mtp)
+        return SequenceState(row.seq, layers, cached, row.drafting)
 
     def _drafter_states(
         self, draft_cache: list | None, rows: list[BatchRow], index: int
@@ -195,7 +200,7 @@ class BatchMembership:
             draft = self.model_drafter.copy(self.draft_cache, self.rows, i)
         copied = [*layers, *(draft.cache if draft is not None else [])]
         mx.eval([layer.state for layer in copied])  # own arrays, not views of the batch's
-        return SequenceState(self.rows[i].seq, layers, self.cache[0].held[i], draft=draft)
+        return SequenceState.entry(self.rows[i].seq, layers, self.cache[0].held[i], draft)
 
     def _find(self, request_id: str) -> tuple[PrefillGroup | None, int]:
         """Where a row is: (its prefill group, its index there), or (None, its index in
@@ -232,6 +237,6 @@ class BatchMembership:
                 layer.held[i] = held
             cache = [layer.extract(i) for layer in self.cache]
             draft, _ = self._drafter_states(self.draft_cache, self.rows, i)
-            self._result.released.append(SequenceState(row.seq, cache, held, draft=draft))
+            self._result.released.append(SequenceState.entry(row.seq, cache, held, draft))
         if finished:
             self._drop(finished)

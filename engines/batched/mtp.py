@@ -12,7 +12,7 @@ states; the engine hands each row its (hidden state, following token) pairs
 pairs in one ragged head forward, then chains the head over the rows that draft, one
 forward per drafted position, exactly as a draft model chains (`chain_rows`).
 
-Invariant: head-cache row i holds `rows[i].mtp.length` true entries first; entries
+Invariant: head-cache row i holds `rows[i].drafting.mtp.length` true entries first; entries
 after them are chained drafts (or padding), cut before the next feed. A restart (a
 stretch the head never saw) sets the length to 0.
 """
@@ -88,12 +88,12 @@ class BatchedMTP:
     def join(self, row: BatchRow, draft=None, mtp: MTPState | None = None) -> list[KVCache]:
         """The row's head cache as it joins (its chained drafts cut), its state kept
         with the row; a row that may not draft with the head gets no state."""
-        row.mtp = (mtp or MTPState()) if DRAFT in row.gates else None
-        if row.mtp is None or row.mtp.cache is None:  # no entries yet (length 0)
+        row.drafting.mtp = (mtp or MTPState()) if DRAFT in row.drafting.gates else None
+        if row.drafting.mtp is None or row.drafting.mtp.cache is None:  # no entries yet (length 0)
             return self.drafter.make_cache()
-        cache, row.mtp.cache = row.mtp.cache, None  # the batch holds it now
-        trim_exact(cache, row.mtp.speculative)
-        row.mtp.speculative = 0
+        cache, row.drafting.mtp.cache = row.drafting.mtp.cache, None  # the batch holds it now
+        trim_exact(cache, row.drafting.mtp.speculative)
+        row.drafting.mtp.speculative = 0
         return cache
 
     def copy(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int) -> None:
@@ -103,7 +103,7 @@ class BatchedMTP:
 
     def leave(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):
         """(no draft state, the row's MTP state with its own head cache again)."""
-        state = rows[index].mtp
+        state = rows[index].drafting.mtp
         if state is None:
             return None, None
         head = cache[0].extract(index)
@@ -113,7 +113,8 @@ class BatchedMTP:
 
     def check(self, cache: list[RaggedKVCache], rows: list[BatchRow]) -> None:
         assert all(
-            row.mtp is None or cache[0].lengths[i] >= row.mtp.length for i, row in enumerate(rows)
+            row.drafting.mtp is None or cache[0].lengths[i] >= row.drafting.mtp.length
+            for i, row in enumerate(rows)
         ), "head row out of step"
 
     # ---- pairs from the batch's target forwards ---------------------------------
@@ -131,10 +132,10 @@ class BatchedMTP:
         hidden = self.target.hidden if index is None else self.target.hidden[index]
         for i, (row, tokens) in enumerate(zip(rows, following, strict=True)):
             count = len(tokens) if isinstance(tokens, list) else tokens.size
-            if row.mtp is None or not count:
+            if row.drafting.mtp is None or not count:
                 continue
             tokens = mx.array(tokens) if isinstance(tokens, list) else tokens
-            row.mtp.observe(positions[i], hidden[i, :count], tokens)
+            row.drafting.mtp.observe(positions[i], hidden[i, :count], tokens)
 
     def prefill(self, rows: list[BatchRow], cache: list, before: list[int], after: list[int]):
         """The head sees the prompt chunk just fed, as it does alone (fed now: a long
@@ -147,7 +148,7 @@ class BatchedMTP:
         """Cut every row's chained entries, then feed each its pending pairs in one
         ragged head forward (rows with none pad along and keep their length)."""
         layer = cache[0]
-        states = [row.mtp for row in rows]
+        states = [row.drafting.mtp for row in rows]
         layer.set_lengths([state.length if state else 0 for state in states])
         counts = [state.pending if state else 0 for state in states]
         if not any(counts):
@@ -178,13 +179,13 @@ class BatchedMTP:
         """`row.draft_length` drafts for every row whose method is MTP and whose head
         has seen its newest token (the others draft nothing this step). Returns the
         head forwards the chain ran, and whether no row had a backlog to catch up."""
-        steady = all(row.mtp is None or row.mtp.pending <= 2 for row in rows)
+        steady = all(row.drafting.mtp is None or row.drafting.mtp.pending <= 2 for row in rows)
         self.feed(cache, rows)
         ready = [
             row.method == self.method
-            and row.mtp is not None
-            and row.mtp.newest is not None
-            and row.mtp.start + row.mtp.length == len(row.tokens) - 1
+            and row.drafting.mtp is not None
+            and row.drafting.mtp.newest is not None
+            and row.drafting.mtp.start + row.drafting.mtp.length == len(row.tokens) - 1
             for row in rows
         ]
         for row, ok in zip(rows, ready, strict=True):
@@ -192,7 +193,9 @@ class BatchedMTP:
                 row.method, row.drafts, row.draft_length = None, [], 0
         lengths = [row.draft_length if ok else 0 for row, ok in zip(rows, ready, strict=True)]
         if any(lengths):
-            newest = [row.mtp.newest if ok else None for row, ok in zip(rows, ready, strict=True)]
+            newest = [
+                row.drafting.mtp.newest if ok else None for row, ok in zip(rows, ready, strict=True)
+            ]
             like = next(n for n in newest if n is not None)
             out = mx.concatenate([like * 0 if n is None else n for n in newest])
             logits = self.drafter.batch_logits(out)[:, 0]
@@ -202,7 +205,7 @@ class BatchedMTP:
 
     def drafting_rows(self, rows: list[BatchRow]) -> list[int]:
         """The rows a draft feeds (those with a head state)."""
-        return [i for i, row in enumerate(rows) if row.mtp is not None]
+        return [i for i, row in enumerate(rows) if row.drafting.mtp is not None]
 
     def recover(self, cache: list[RaggedKVCache], rows: list[BatchRow], failed: list[int]) -> None:
         """After a draft that raised: the `failed` rows lose their head state (the head
@@ -210,4 +213,4 @@ class BatchedMTP:
         forward that failed consumed none of its pending pairs, and the next feed cuts
         whatever the head cache holds past its true entries."""
         for i in failed:
-            rows[i].mtp = None
+            rows[i].drafting.mtp = None

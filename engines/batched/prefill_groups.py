@@ -110,7 +110,7 @@ class PrefillGroup:
                     draft = drafter.copy(self.draft_cache, self.rows, i)
                 copied = [*cache, *(draft.cache if draft is not None else [])]
                 mx.eval([layer.state for layer in copied])  # not views of the group's
-                taken.append(SequenceState(row.seq, cache, held, draft=draft))
+                taken.append(SequenceState.entry(row.seq, cache, held, draft))
         return taken
 
 
@@ -145,7 +145,7 @@ def first_tokens(
         mtp.observe(rows, before, [[token] for _, token in decisions], index)
     outputs = []
     for j, (row, (_, token)) in enumerate(zip(rows, decisions, strict=True)):
-        for gate in row.gates.values():
+        for gate in row.drafting.gates.values():
             gate.plain_token()
         outputs.append(commit_row(row, [token], logprobs[j]))
     return outputs

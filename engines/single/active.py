@@ -13,11 +13,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from engines.drafting.draft_model import DraftState
-from engines.drafting.mtp import MTPState
-from engines.drafting.prompt_lookup import PromptLookupDrafter
-from engines.gating.gates import MethodGate
 from engines.sequence import Sequence
+from engines.state import Drafting
 
 
 @dataclass
@@ -26,10 +23,8 @@ class Active:
     cache: list
     cached: int  # tokens of seq.all_tokens held in the cache
     processors: list
-    gates: dict[str, MethodGate] = field(default_factory=dict)
-    pld: PromptLookupDrafter = field(default_factory=PromptLookupDrafter)
-    draft: DraftState = field(default_factory=DraftState)
-    mtp: MTPState = field(default_factory=MTPState)
+    # the request's own drafting state, every field set (`SpeculativeEngine.take_over`)
+    drafting: Drafting = field(default_factory=Drafting)
     in_flight: mx.array | None = None  # a plain token sampled but not committed
     in_flight_logprobs: mx.array | None = None  # the distribution it was sampled from
     history: mx.array | None = None  # tokens in the cache (+ in flight), for penalties

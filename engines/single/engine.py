@@ -127,13 +127,15 @@ class SpeculativeEngine:
         assert self.active is None, "the speculative engine serves one sequence at a time"
         seq = state.seq
         state = resume_drafter(state, getattr(self.drafter, "entry_ahead", None))
-        active = Active(seq, state.cache, state.cached, seq.processors)
-        active.pld = state.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
-        active.draft = state.draft or DraftState()
-        active.mtp = state.mtp or MTPState()
+        drafting = state.drafting  # the request's own, kept as the same object
+        drafting.pld = drafting.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
+        drafting.draft = drafting.draft or DraftState()
+        drafting.mtp = drafting.mtp or MTPState()
+        if drafting.gates is None:
+            drafting.gates = self.limits.initial_gates(seq)
+        active = Active(seq, state.cache, state.cached, seq.processors, drafting)
         if active.processors:
             active.history = mx.array(active.tokens[: state.cached], dtype=mx.int32)
-        active.gates = state.gates if state.gates is not None else self.limits.initial_gates(seq)
         self.active = active
 
     def settle(self) -> StepResult:
@@ -161,17 +163,8 @@ class SpeculativeEngine:
         self.active = None
         if active.seq.finished:
             return None, result
-        active.mtp.target_cache = None  # the next engine sets what it reads
-        state = SequenceState(
-            active.seq,
-            active.cache,
-            active.cached,
-            active.gates,
-            active.pld,
-            active.draft,
-            active.mtp,
-        )
-        return state, result
+        active.drafting.mtp.target_cache = None  # the next engine sets what it reads
+        return SequenceState(active.seq, active.cache, active.cached, active.drafting), result
 
     def _take(self, outputs: list[StepOutput]) -> StepResult:
         """The result of this call: `outputs` and what the engine kept since the last."""
@@ -200,19 +193,23 @@ class SpeculativeEngine:
         if len(active.tokens) - active.cached > 1:
             return None  # still prefilling: `Sequence.keep_at` copies it where asked
         draft = self._feature_entry(active)
-        if active.draft.cache:  # the prefix cache keeps it if it holds nearly as much
-            draft = DraftState(detached_copy(active.draft.cache), list(active.draft.fed))
-        return SequenceState(active.seq, detached_copy(active.cache), active.cached, draft=draft)
+        if active.drafting.draft.cache:  # the prefix cache keeps it if it holds nearly as much
+            draft = DraftState(
+                detached_copy(active.drafting.draft.cache), list(active.drafting.draft.fed)
+            )
+        return SequenceState.entry(active.seq, detached_copy(active.cache), active.cached, draft)
 
     def _feature_entry(self, active: Active) -> DraftState | None:
         """What a prefix-cache entry keeps of a feature drafter (DFlash's context K/V,
         an EAGLE-3 chain's pairs; copies), or None: the drafter keeps nothing there."""
         ahead = getattr(self.drafter, "entry_ahead", None)
-        if ahead is None or active.mtp.cache is None:
+        if ahead is None or active.drafting.mtp.cache is None:
             return None
-        self.drafter.feed(active.mtp)  # its pending positions too: the entry holds them all
-        layers = [layer.extract(0) for layer in active.mtp.cache]
-        return drafter_entry(active.mtp, active.tokens, layers, ahead)
+        self.drafter.feed(
+            active.drafting.mtp
+        )  # its pending positions too: the entry holds them all
+        layers = [layer.extract(0) for layer in active.drafting.mtp.cache]
+        return drafter_entry(active.drafting.mtp, active.tokens, layers, ahead)
 
     # ---- the step ---------------------------------------------------------------
 
@@ -244,8 +241,8 @@ class SpeculativeEngine:
                 finished = time.perf_counter()
                 self.costs.observe_verify(len(draft.tokens) + 1, finished - proposed)
                 committed = sum(len(o.token_ids) for o in outputs)
-                if draft.method == PLD and PLD in active.gates:
-                    active.gates[PLD].observe_outcome(finished - started, committed)
+                if draft.method == PLD and PLD in active.drafting.gates:
+                    active.drafting.gates[PLD].observe_outcome(finished - started, committed)
                 # Every drafting step counts in what drafting gives, less the time it took
                 # to catch the draft model up on tokens it had not seen (a prompt, a run
                 # of plain steps): a once-per-switch cost, not what drafting steps cost.
@@ -286,9 +283,11 @@ class SpeculativeEngine:
             # token after it, fed now (not kept: a long prompt's states are large)
             _, hidden = self._forward(active, chunk)
             following = active.tokens[active.cached + 1 : active.cached + 1 + chunk.size]
-            active.mtp.observe(active.cached, hidden[0], mx.array(following))
-            self.drafter.feed(active.mtp)
-            mx.eval([c.state for c in active.cache], [c.state for c in active.mtp.cache or []])
+            active.drafting.mtp.observe(active.cached, hidden[0], mx.array(following))
+            self.drafter.feed(active.drafting.mtp)
+            mx.eval(
+                [c.state for c in active.cache], [c.state for c in active.drafting.mtp.cache or []]
+            )
         else:
             self.model(chunk[None], cache=active.cache)
             mx.eval([c.state for c in active.cache])
@@ -301,7 +300,7 @@ class SpeculativeEngine:
             copy = detached_copy(active.cache)
             draft = self._feature_entry(active)  # the drafter was fed this chunk too
             self._result.checkpoints.append(
-                SequenceState(active.seq, copy, active.cached, draft=draft)
+                SequenceState.entry(active.seq, copy, active.cached, draft)
             )
         mx.clear_cache()
 
@@ -333,12 +332,12 @@ class SpeculativeEngine:
         params, rng = active.seq.request.sampling, active.seq.rng
         token = sample_token(params, logprobs, rng, position)
         if hidden is not None:
-            active.mtp.observe(active.cached, hidden[0], token)
+            active.drafting.mtp.observe(active.cached, hidden[0], token)
         return token, logprobs
 
     def _feeds_mtp(self, active: Active) -> bool:
         """The request may draft with the MTP head, so the head must see its tokens."""
-        return getattr(self.drafter, "fed_with_target", False) and DRAFT in active.gates
+        return getattr(self.drafter, "fed_with_target", False) and DRAFT in active.drafting.gates
 
     def _forward(self, active: Active, tokens: mx.array) -> tuple[mx.array, mx.array | None]:
         """A target forward over `tokens` (shape (n,)): logits (1, n, V), and the hidden
@@ -350,9 +349,9 @@ class SpeculativeEngine:
 
     def _drafter_state(self, active: Active) -> DraftState | MTPState:
         if getattr(self.drafter, "fed_with_target", False):
-            active.mtp.target_cache = active.cache  # what an assistant drafter reads
-            return active.mtp
-        return active.draft
+            active.drafting.mtp.target_cache = active.cache  # what an assistant drafter reads
+            return active.drafting.mtp
+        return active.drafting.draft
 
     def _commit_in_flight(self, pipeline: bool) -> list[StepOutput]:
         active = self.active
@@ -367,7 +366,7 @@ class SpeculativeEngine:
             )
             mx.async_eval(active.in_flight)
             active.cached += 1
-        for gate in active.gates.values():
+        for gate in active.drafting.gates.values():
             gate.plain_token()
         active.forced_plain = max(0, active.forced_plain - 1)
         token = current.item()
@@ -377,7 +376,9 @@ class SpeculativeEngine:
         return self._finish_step(output)
 
     def _next_step_is_plain(self, active: Active) -> bool:
-        return active.forced_plain > 0 or not any(gate.due for gate in active.gates.values())
+        return active.forced_plain > 0 or not any(
+            gate.due for gate in active.drafting.gates.values()
+        )
 
     # ---- drafting and verification ---------------------------------------------
 
@@ -410,7 +411,7 @@ class SpeculativeEngine:
         roll_back(active.cache, k - accepted, snapshot, self.model, fed[: 1 + accepted])
         if hidden is not None:  # the accepted positions' states, each with its next token
             following = mx.array([*draft.tokens[:accepted], next_token])
-            active.mtp.observe(active.cached, hidden[0, : 1 + accepted], following)
+            active.drafting.mtp.observe(active.cached, hidden[0, : 1 + accepted], following)
         active.cached += 1 + accepted
         if active.processors:
             active.history = mx.concat([active.history, mx.array(fed[: 1 + accepted])])
@@ -451,7 +452,7 @@ class SpeculativeEngine:
                 return  # recurrent or windowed: it cannot be cut back to reuse
             trim_exact(active.cache, active.cached - committed)
             active.cached = committed
-        draft = self._feature_entry(active) or active.draft
+        draft = self._feature_entry(active) or active.drafting.draft
         self._result.released.append(
-            SequenceState(active.seq, active.cache, active.cached, draft=draft)
+            SequenceState.entry(active.seq, active.cache, active.cached, draft)
         )

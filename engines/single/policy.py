@@ -42,7 +42,7 @@ class SingleStreamPolicy:
             return None
         if method not in LOOKUPS:
             return self.realized.measured(method)
-        gate = active.gates.get(method) if active is not None else None
+        gate = active.drafting.gates.get(method) if active is not None else None
         return gate.measured_against(self.realized.rate(PLAIN)) if gate is not None else None
 
     def propose(self, active: Active, model_state: DraftState | MTPState) -> Draft | None:
@@ -52,16 +52,16 @@ class SingleStreamPolicy:
         left = seq.request.max_tokens - len(seq.generated) - 1
         k_max = min(self.limits.request_k(seq), left)
         pld_k_max = min(self.limits.request_k(seq, PLD), left)
-        if max(k_max, pld_k_max) <= 0 or not active.gates or active.forced_plain > 0:
+        if max(k_max, pld_k_max) <= 0 or not active.drafting.gates or active.forced_plain > 0:
             return None
-        gate = active.gates.get(DRAFT)
+        gate = active.drafting.gates.get(DRAFT)
         if gate is not None and gate.open and self.realized and self.realized.plain_probe_due():
             active.forced_plain = 4  # an A/B probe: plain steps to compare drafting with
             return None
         pld_draft = self.better_lookup(
             active,
-            self.propose_pld(active, pld_k_max) if PLD in active.gates else None,
-            self.propose_suffix(active, pld_k_max) if SUFFIX in active.gates else None,
+            self.propose_pld(active, pld_k_max) if PLD in active.drafting.gates else None,
+            self.propose_suffix(active, pld_k_max) if SUFFIX in active.drafting.gates else None,
         )
         measured, trusted = self.measured(DRAFT), self.trusted_draft()
         k = gate.draft_length(k_max, self.costs.model(), measured, trusted=trusted) if gate else 0
@@ -100,7 +100,7 @@ class SingleStreamPolicy:
         a long lookup match, or the lookup's measured acceptance making it the better
         deal (`pld_draft`: prompt lookup's or the suffix drafter's)."""
         if pld_draft.match_length >= self.limits.config.pld_preferred_match:
-            draft_gate = active.gates[DRAFT]
+            draft_gate = active.drafting.gates[DRAFT]
             pld_gain = self.lookup_gain(active, pld_draft)
             draft_gain = speedup(draft_gate.acceptance(), draft_k, self.costs.model(), DRAFT)
             return pld_gain >= draft_gain
@@ -109,7 +109,7 @@ class SingleStreamPolicy:
     def lookup_gain(self, active: Active, draft: Draft) -> float:
         """A lookup draft's expected speed-up over plain steps, by its gate's acceptance
         at its match length."""
-        gate = active.gates[draft.gate]
+        gate = active.drafting.gates[draft.gate]
         acceptance = gate.acceptance(draft.match_length, draft.confidences or None)
         return speedup(acceptance, len(draft.tokens), self.costs.model(), draft.method)
 
@@ -128,7 +128,7 @@ class SingleStreamPolicy:
         """The suffix drafter's proposal from the key's earlier requests, cut to the
         length its gate finds worth verifying; with nothing worth proposing, an open
         gate rests a few tokens (plain steps then pipeline) and a closed one waits."""
-        gate = active.gates[SUFFIX]
+        gate = active.drafting.gates[SUFFIX]
         if not gate.due:
             return None
         draft = active.seq.suffix.propose(active.tokens, k_max)
@@ -151,10 +151,10 @@ class SingleStreamPolicy:
     def propose_pld(self, active: Active, k_max: int) -> Draft | None:
         """The lookup's proposal, cut to the length its match length's acceptance makes
         worth verifying (None: not due, nothing found, or not worth it this step)."""
-        gate = active.gates[PLD]
+        gate = active.drafting.gates[PLD]
         if not gate.due:
             return None
-        draft = active.pld.propose(active.tokens, k_max)
+        draft = active.drafting.pld.propose(active.tokens, k_max)
         if not gate.open and (
             draft is None or draft.match_length < self.limits.config.pld_probe_match
         ):
@@ -178,7 +178,7 @@ class SingleStreamPolicy:
             self.confidence.observe(draft.confidences, accepted)
         active.seq.spec.record(draft.method, k, accepted)
         self.limits.totals.record(draft.method, k, accepted)
-        gate = active.gates[draft.gate]
+        gate = active.drafting.gates[draft.gate]
         measured = self.measured(draft.gate, active)
         k_max = self.limits.request_k(active.seq, draft.gate)
         trusted = draft.gate == DRAFT and self.trusted_draft()

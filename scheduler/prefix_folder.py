@@ -153,6 +153,18 @@ def scope_salt(folder: Path, keys: tuple[str, ...]) -> bytes:
     return salt
 
 
+def read_scope_salt(folder: Path) -> bytes | None:
+    """The salt kept in `folder` (read only: nothing made or changed), or None."""
+    kept = _read_salt(folder / SALT)
+    return kept[0] if kept is not None else None
+
+
+def scope_id(key: str, salt: bytes) -> str:
+    """The id an API key's requests and entries go by: an HMAC of the key under `salt`,
+    the same for the same key only under the same salt, not reversible to the key."""
+    return hmac.new(salt, key.encode(), "sha256").hexdigest()[:24]
+
+
 def _fingerprint(salt: bytes, keys: tuple[str, ...]) -> bytes:
     joined = b"\0".join(sorted({key.encode() for key in keys}))
     return hmac.new(salt, b"tandem-key-set\0" + joined, "sha256").digest()

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from scheduler.prefix_folder import scope_id
 from server.buckets import TokenBuckets
 from server.errors import ApiError, error_response_for
 
@@ -83,7 +84,7 @@ def key_is_valid(presented: str | None, keys: tuple[str, ...]) -> bool:
 def key_id(key: str, salt: bytes = PROCESS_SALT) -> str:
     """A name for an API key that stands for it, not reversible to it (an HMAC under
     `salt`: the same id for the same key only under the same salt)."""
-    return hmac.new(salt, key.encode(), "sha256").hexdigest()[:24]
+    return scope_id(key, salt)
 
 
 def caller_key_id(scope: Scope) -> str | None:

@@ -30,6 +30,8 @@ from engines.single.engine import SpeculativeEngine
 from engines.spec_config import SpecConfig
 from tests.conftest import Reference
 from training.cli import main as train
+from training.corpus import Chunks, Record
+from training.stdlib_prompts import stdlib_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 STORIES = ROOT.parent / "shared" / "models" / "stories260K"
@@ -177,3 +179,42 @@ def test_a_resume_with_other_settings_is_refused_naming_them(trained, tmp_path):
         train([str(STORIES), "--out", str(copy), "--data", data["data"], *TRAIN, "--steps",
                "150", "--seq-len", "32"])  # fmt: skip
     assert "model" not in str(refused.value).split("(")[1]
+
+
+def test_requests_made_from_the_standard_library(tiny_model_dir):
+    """`--prompts N`: N requests from the standard library's documented functions, code
+    to write and functions to explain in turn, the same for the same seed, rendered with
+    the model's chat template (plain text for a model without one)."""
+    chat = load(str(tiny_model_dir))[1]
+    plain = load(str(STORIES))[1]
+    first = stdlib_prompts(6, 0, plain)
+    assert len(first) == 6 and all(r.is_prompt and r.answer is None for r in first)
+    assert [r.text.startswith("Write a Python function `") for r in first] == [True, False] * 3
+    assert all("standard library" in r.text for r in first[1::2])
+    assert [r.text for r in stdlib_prompts(6, 0, plain)] == [r.text for r in first]
+    assert [r.text for r in stdlib_prompts(6, 1, plain)] != [r.text for r in first]
+    rendered = stdlib_prompts(2, 0, chat)
+    messages = [{"role": "user", "content": first[0].text.strip()}]
+    assert rendered[0].text == chat.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_answers_are_half_the_training_chunks_beside_documents():
+    """A few answers beside a large corpus are drawn for half the training chunks (each
+    kind held out too), in the same order for the same seed."""
+    tokenizer = load(str(STORIES))[1]
+    documents = [Record("Once upon a time there was a little cat. " * 40) for _ in range(30)]
+    answers = [Record("Q?", "The big red ball went up and up. " * 20, is_prompt=True)] * 3
+    chunks = Chunks(documents + answers, tokenizer, 32, 4)
+    marker = tokenizer.encode("ball", add_special_tokens=False)[-1]
+
+    def from_answers(seed: int, n: int) -> list[bool]:
+        stream = chunks.training(seed)
+        return [bool((next(stream) == marker).any()) for _ in range(n)]
+
+    drawn = from_answers(0, 400)
+    assert 0.4 < sum(drawn) / len(drawn) < 0.6, sum(drawn)
+    assert from_answers(0, 400) == drawn and from_answers(1, 400) != drawn
+    held = [bool((chunk == marker).any()) for chunk in chunks.held_out]
+    assert True in held and False in held

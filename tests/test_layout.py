@@ -12,8 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # Lower layers never import higher ones: the engines know nothing of the scheduler,
 # the scheduler nothing of HTTP, the server nothing of the benches; drafter training
-# uses the engines' modules and nothing above them; `tandem.cli` dispatches to all.
-LAYERS = ("engines", "training", "scheduler", "server", "bench", "tandem")
+# uses the engines' modules and reads the scheduler's disk tier (`--from-traffic`),
+# nothing above them; `tandem.cli` dispatches to all.
+LAYERS = ("engines", "scheduler", "training", "server", "bench", "tandem")
 MAX_LINES = 500
 
 

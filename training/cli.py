@@ -1,7 +1,8 @@
 """`tandem draft train MODEL --out DIR`: train an EAGLE-3 drafter for MODEL here.
 
-    tandem draft train MODEL --out DIR [--data PATH] [--time-budget 30m | --steps N]
-        [--seed S] [--seq-len 256] [--batch-size 4] [--depth 3] [--draft-vocab 32768]
+    tandem draft train MODEL --out DIR [--data PATH] [--prompts N]
+        [--time-budget 30m | --steps N] [--seed S] [--seq-len 256] [--batch-size 4]
+        [--depth 3] [--draft-vocab 32768]
 
 The target labels its own data (its distribution at every position is the drafter's
 soft target), the drafter is trained on its own chains (EAGLE-3's training-time test),
@@ -18,7 +19,8 @@ import re
 import sys
 from pathlib import Path
 
-from training.corpus import Chunks, default_corpus, read_records
+from training.corpus import Chunks, Record, default_corpus, read_records
+from training.stdlib_prompts import stdlib_prompts
 from training.trainer import Limits, Settings, Trainer, resumable
 
 
@@ -39,6 +41,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=Path,
         help="JSONL (text / prompt / messages records), a folder of text files or one "
         "file (default: the Python standard library's sources)",
+    )
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=0,
+        help="also N chat requests made from the standard library's documented functions "
+        "(code to write, functions to explain), answered by the target first and drawn "
+        "for half the training chunks: the drafter learns the model's own answers",
+    )
+    parser.add_argument(
+        "--from-traffic",
+        nargs="?",
+        const="default",
+        metavar="PREFIX_CACHE_DIR",
+        help="also the server's own traffic: the prompts and answers its prefix cache kept "
+        "on disk (the server's --prefix-cache-dir; default its default) for this model, "
+        "of the keys in --traffic-key-file only (none: a keyless server's); read, never "
+        "copied; needs --traffic-consent",
+    )
+    parser.add_argument(
+        "--traffic-key-file", help="the API keys whose traffic may be used, one per line"
+    )
+    parser.add_argument(
+        "--traffic-consent",
+        action="store_true",
+        help="the operator's statement that the users of those keys agreed to it",
     )
     parser.add_argument("--time-budget", type=duration, help="stop at a checkpoint by then")
     parser.add_argument("--steps", type=int, help="stop after this many steps")
@@ -63,6 +91,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps is None and args.time_budget is None:
         parser.error("give --time-budget (e.g. 30m) or --steps")
+    if args.from_traffic and not args.traffic_consent:
+        parser.error(
+            "--from-traffic trains on what users sent: add --traffic-consent once the "
+            "users of those keys have agreed"
+        )
+    if args.traffic_key_file and not args.from_traffic:
+        parser.error("--traffic-key-file is for --from-traffic")
     return args
 
 
@@ -73,7 +108,8 @@ def main(argv: list[str]) -> None:
     from training.answers import answered
 
     target = load_model(args.model)
-    source = args.data or default_corpus()
+    traffic = traffic_folder(args.from_traffic)
+    source = args.data or ("" if traffic else default_corpus())
     settings = Settings(
         model=args.model,
         data=str(source),
@@ -88,10 +124,16 @@ def main(argv: list[str]) -> None:
         max_corpus_tokens=args.max_corpus_tokens,
         answer_tokens=args.answer_tokens,
         answer_temperature=args.answer_temperature,
+        prompts=args.prompts,
+        from_traffic=str(traffic or ""),
     )
     saved = resumable(args.out, settings)  # before any work: a mismatched resume is refused
     print(f"target  {args.model} ({target.folder}), BLAS {describe_blas()}", file=sys.stderr)
-    records = read_records(Path(source), target.tokenizer)
+    records = read_records(Path(source), target.tokenizer) if source else []
+    if traffic:
+        records += served_traffic(traffic, target, keys_in(args.traffic_key_file))
+    if args.prompts:
+        records = stdlib_prompts(args.prompts, args.seed, target.tokenizer) + records
 
     def said(done: int, total: int) -> None:
         print(f"\ranswers {done}/{total} written by the target", end="", file=sys.stderr)
@@ -108,7 +150,8 @@ def main(argv: list[str]) -> None:
     )
     chunks = Chunks(records, target.tokenizer, args.seq_len, args.holdout, args.max_corpus_tokens)
     print(
-        f"\rdata    {source}: {len(records)} texts, {chunks.tokens:,} tokens, "
+        f"\rdata    {describe_sources(source, traffic, args.prompts)}: "
+        f"{len(records)} texts, {chunks.tokens:,} tokens, "
         f"{len(chunks.train)} training chunks of {args.seq_len}, {len(chunks.held_out)} "
         "held out",
         file=sys.stderr,
@@ -139,3 +182,55 @@ def main(argv: list[str]) -> None:
         f"wrote   {args.out} ({report.size_bytes / 1e6:.1f} MB): "
         f"tandem serve {args.model} --draft-model {args.out}",
     )
+
+
+def traffic_folder(given: str | None) -> Path | None:
+    """`--from-traffic`'s folder: the one given, the server's default, or None."""
+    if not given:
+        return None
+    if given == "default":
+        from scheduler.prefix_disk import default_directory
+
+        return default_directory()
+    return Path(given).expanduser()
+
+
+def keys_in(path: str | None) -> tuple[str, ...]:
+    """The keys of a key file (one per line, as `tandem serve --api-key-file` reads it)."""
+    if not path:
+        return ()
+    lines = (line.strip() for line in Path(path).read_text().splitlines())
+    return tuple(line for line in lines if line and not line.startswith("#"))
+
+
+def served_traffic(folder: Path, target, keys: tuple[str, ...]) -> list[Record]:
+    """The server's traffic for this model and `keys`, as records of token ids."""
+    from engines.model.identity import model_identity, parameter_dtypes
+    from engines.model.mtp import local_folder
+    from scheduler.prefix_folder import SUBFOLDER
+    from scheduler.prefix_traffic import NoTraffic, traffic_tokens
+
+    memo = folder / SUBFOLDER / ".hashes"  # the server's memo of the model's file hashes
+    identity = model_identity(local_folder(target.folder), parameter_dtypes(target.model), memo)
+    try:
+        found = traffic_tokens(folder, identity, keys)
+    except NoTraffic as error:
+        raise SystemExit(f"--from-traffic: {error}") from error
+    if not found:
+        whose = f"the {len(keys)} key(s) given" if keys else "a keyless server"
+        raise SystemExit(
+            f"--from-traffic: {folder} holds no entries of {whose} for this model "
+            "(entries are kept for prompts of 256 tokens or more)"
+        )
+    print(
+        f"traffic {len(found)} conversations, {sum(map(len, found)):,} tokens from {folder}",
+        file=sys.stderr,
+    )
+    return [Record("", tokens=tuple(tokens)) for tokens in found]
+
+
+def describe_sources(source, traffic: Path | None, prompts: int) -> str:
+    parts = [str(source)] if source else []
+    parts += ["the server's traffic"] if traffic else []
+    parts += [f"{prompts} answered requests"] if prompts else []
+    return " + ".join(parts)

@@ -2,10 +2,12 @@
 
 Sources (`--data`): a JSONL file whose records are documents (`text`), prompts the
 target answers itself (`prompt`, or chat `messages` rendered with the model's template:
-`training.generate` writes the answers), or both (`prompt` + `completion`/`response`);
+`training.answers` writes the answers), or both (`prompt` + `completion`/`response`);
 a folder of text files; one text file. Without `--data`: the Python standard library's
 own sources, which are on every machine that runs Tandem (a fit for code models; for
-others, give text or prompts of the kind the model will serve).
+others, give text or prompts of the kind the model will serve). Requests made from the
+standard library (`training.stdlib_prompts`, `--prompts`) and the server's own traffic
+(`scheduler.prefix_traffic`, `--from-traffic`) come as records too.
 
 Documents are tokenized one at a time, joined by the end-of-sequence token and cut
 into chunks of `length` tokens; the order is a seeded shuffle per pass, and a chunk's
@@ -39,6 +41,12 @@ class Record:
     text: str
     answer: str | None = None
     is_prompt: bool = False
+    tokens: tuple[int, ...] | None = None  # served traffic, as the server kept it
+
+    @property
+    def is_served(self) -> bool:
+        """What the model writes when asked: an answered prompt, or served traffic."""
+        return self.is_prompt or self.tokens is not None
 
 
 def default_corpus() -> Path:
@@ -82,17 +90,28 @@ def _record(row: dict, tokenizer: Any, where: str) -> Record:
 
 
 def document_tokens(record: Record, tokenizer: Any) -> list[int]:
-    """A record's tokens: the text, then the answer (written by now)."""
+    """A record's tokens: the text, then the answer (written by now); traffic's own."""
+    if record.tokens is not None:
+        return list(record.tokens)
     tokens = tokenizer.encode(record.text)
     if record.answer:
         tokens += tokenizer.encode(record.answer, add_special_tokens=False)
     return tokens
 
 
+ANSWERED_SHARE = 0.5  # of training chunks drawn from answered prompts, when both kinds
+
+
 class Chunks:
     """The corpus as chunks of `length` tokens: `held_out` (fixed) and `training(seed)`
     (an endless seeded sequence, pass after pass). Tokens are held as one int32 array
-    (4 bytes a token: the standard library's ~10M tokens are ~40 MB)."""
+    per kind (4 bytes a token: the standard library's ~10M tokens are ~40 MB).
+
+    Documents and what the model writes when asked (answered prompts, traffic) are two
+    pools: a few hundred answers beside millions
+    of tokens of documents would otherwise almost never be drawn, so when both are given
+    `ANSWERED_SHARE` of the training chunks come from the answers (each pool shuffled
+    pass after pass, the pick between them seeded too)."""
 
     def __init__(
         self,
@@ -103,35 +122,41 @@ class Chunks:
         max_tokens: int = 1 << 25,
     ) -> None:
         eos = list(tokenizer.eos_token_ids)[:1] or [0]
-        parts, total = [], 0
-        for record in records:
-            tokens = document_tokens(record, tokenizer) + eos
-            parts.append(np.asarray(tokens, dtype=np.int32))
-            total += len(tokens)
-            if total >= max_tokens:
-                break
-        stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-        count = len(stream) // length
-        if count < 2:
-            raise ValueError(
-                f"the corpus has {len(stream)} tokens: fewer than two chunks of {length}"
-            )
+        answers = [r for r in records if r.is_served]
+        documents = [r for r in records if not r.is_served]
+        kinds = [kind for kind in (documents, answers) if kind]
+        held_each = max(1, holdout // len(kinds)) if kinds else holdout
         self.length = length
-        self.tokens = int(len(stream))
-        chunks = stream[: count * length].reshape(count, length)
-        held = np.zeros(count, dtype=bool)
-        held[np.arange(0, count, HOLDOUT_EVERY)[: max(1, min(holdout, count - 1))]] = True
-        self.held_out = chunks[held]
-        self.train = chunks[~held]
+        self.tokens = 0
+        self._pools, held_out = [], []
+        for kind in kinds:
+            stream = _stream(kind, tokenizer, eos, max_tokens)
+            self.tokens += len(stream)
+            count = len(stream) // length
+            if count < 2:
+                raise ValueError(
+                    f"the corpus has {len(stream)} tokens of "
+                    f"{'answers' if kind is answers else 'documents'}: fewer than two "
+                    f"chunks of {length}"
+                )
+            chunks = stream[: count * length].reshape(count, length)
+            held = np.zeros(count, dtype=bool)
+            held[np.arange(0, count, HOLDOUT_EVERY)[: max(1, min(held_each, count - 1))]] = True
+            held_out.append(chunks[held])
+            self._pools.append(chunks[~held])
+        if not kinds:
+            raise ValueError("the corpus is empty")
+        self.held_out = np.concatenate(held_out)
+        self.train = np.concatenate(self._pools)
 
     def training(self, seed: int) -> Iterator[np.ndarray]:
-        passes = 0
+        if len(self._pools) == 1:
+            yield from _shuffled(self._pools[0], seed)
+            return
+        documents, answers = _shuffled(self._pools[0], seed), _shuffled(self._pools[1], -1 - seed)
+        pick = random.Random(f"{seed}:answered")
         while True:
-            order = list(range(len(self.train)))
-            random.Random(f"{seed}:{passes}").shuffle(order)
-            for index in order:
-                yield self.train[index]
-            passes += 1
+            yield next(answers) if pick.random() < ANSWERED_SHARE else next(documents)
 
     def frequent_tokens(self, keep: int, always: set[int], vocab: int) -> list[int]:
         """The `keep` ids seen most often in the training chunks (ties: the lower id),
@@ -145,3 +170,26 @@ class Chunks:
                 break
             chosen.add(token)
         return sorted(chosen)
+
+
+def _stream(records: list[Record], tokenizer: Any, eos: list[int], max_tokens: int) -> np.ndarray:
+    """The records' tokens, each followed by EOS, up to about `max_tokens`."""
+    parts, total = [], 0
+    for record in records:
+        tokens = document_tokens(record, tokenizer) + eos
+        parts.append(np.asarray(tokens, dtype=np.int32))
+        total += len(tokens)
+        if total >= max_tokens:
+            break
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
+def _shuffled(chunks: np.ndarray, seed: int) -> Iterator[np.ndarray]:
+    """`chunks` in a seeded order, pass after pass (the answers' pool: seed -1 - seed)."""
+    passes = 0
+    while True:
+        order = list(range(len(chunks)))
+        random.Random(f"{seed}:{passes}").shuffle(order)
+        for index in order:
+            yield chunks[index]
+        passes += 1

@@ -48,6 +48,8 @@ class Settings:
     max_corpus_tokens: int = 1 << 25
     answer_tokens: int = 256
     answer_temperature: float = 0.0
+    prompts: int = 0  # requests made from the standard library, answered by the target
+    from_traffic: str = ""  # a server's prefix-cache folder whose traffic is trained on
 
 
 @dataclass

@@ -14,6 +14,7 @@ from engines.drafting.draft_model import DraftState
 from engines.drafting.entries import state_from_entry
 from engines.drafting.mtp import MTPState
 from engines.drafting.prompt_lookup import PromptLookupDrafter
+from engines.gating.draft_limits import DraftLimits
 from engines.gating.gates import MethodGate
 from engines.sequence import Sequence
 
@@ -35,6 +36,14 @@ class Drafting:
     pld: PromptLookupDrafter | None = None
     draft: DraftState | None = None
     mtp: MTPState | None = None
+
+    def fill(self, limits: DraftLimits, seq: Sequence) -> None:
+        """What an engine taking the request gives it where missing: its gates from the
+        server's priors, an empty n-gram index."""
+        if self.gates is None:
+            self.gates = limits.initial_gates(seq)
+        if self.pld is None:
+            self.pld = PromptLookupDrafter(max_ngram=limits.config.pld_max_ngram)
 
 
 @dataclass

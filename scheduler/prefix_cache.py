@@ -38,7 +38,7 @@ from mlx_lm.models.cache import LRUPromptCache
 from engines.cache.rollback import can_trim, trim_exact
 from engines.drafting.draft_model import DraftState
 from engines.request import common_prefix
-from scheduler.prefix_disk import DiskEntry, DiskTier, identities
+from scheduler.prefix_disk import MEMO, DiskEntry, DiskTier, identities
 
 MODEL_KEY = "target"
 SYSTEM, USER, ASSISTANT = "system", "user", "assistant"  # mlx-lm's cache types
@@ -67,7 +67,7 @@ class PrefixCache:
     def attach(self, registry, draft_vocab: int | None = None) -> None:
         """Open the disk tier for the loaded model (engine thread, after the load)."""
         if self.disk is not None:
-            memo = self.disk.directory / ".hashes"
+            memo = self.disk.directory / MEMO
             self.disk.open(identities(registry, draft_vocab, memo))
 
     def close(self) -> None:

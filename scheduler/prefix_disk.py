@@ -416,6 +416,14 @@ def disk_tier(directory: str | None, max_bytes: int, distributed: str | None) ->
         return None
 
 
+MEMO = ".hashes"  # in the tier's folder: the model files' remembered hashes
+
+
+def target_identity(folder: str, dtypes: str, memo_dir: Path) -> str:
+    """The identity the entries of the target loaded from `folder` at `dtypes` carry."""
+    return model_identity(local_folder(folder), dtypes, memo_dir)
+
+
 def identities(registry: Any, draft_vocab: int | None, memo_dir: Path) -> Callable:
     """The target's and the draft model's identities, for the writer thread to compute
     (the dtypes are read here, on the engine thread)."""
@@ -428,7 +436,7 @@ def identities(registry: Any, draft_vocab: int | None, memo_dir: Path) -> Callab
     feature_dtypes = parameter_dtypes(feature.module) if feature is not None else ""
 
     def identify() -> tuple[str, str]:
-        target_id = model_identity(local_folder(target.folder), target_dtypes, memo_dir)
+        target_id = target_identity(target.folder, target_dtypes, memo_dir)
         if feature is not None:
             extra = f"{feature.kind} drafter of {target_id}"
             folder = drafter_folder(feature.path)

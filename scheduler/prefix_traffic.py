@@ -13,13 +13,23 @@ answer): only the longest of each is kept.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+from engines.model.identity import parameter_dtypes
+from scheduler.prefix_disk import MEMO, target_identity
 from scheduler.prefix_files import ENTRY, BadEntry, read_header, scope_hash
 from scheduler.prefix_folder import SUBFOLDER, read_scope_salt, scope_id
 
 
 class NoTraffic(ValueError):
     """Nothing could be read for the keys given (the message says why)."""
+
+
+def served_identity(given: Path, target: Any) -> str:
+    """The identity the server's entries in `given` carry for the loaded `target` (the
+    tier's own rule, with its memo of the model files' hashes)."""
+    memo = given / SUBFOLDER / MEMO
+    return target_identity(target.folder, parameter_dtypes(target.model), memo)
 
 
 def traffic_tokens(given: Path, identity: str, keys: tuple[str, ...]) -> list[list[int]]:

@@ -205,15 +205,10 @@ def keys_in(path: str | None) -> tuple[str, ...]:
 
 def served_traffic(folder: Path, target, keys: tuple[str, ...]) -> list[Record]:
     """The server's traffic for this model and `keys`, as records of token ids."""
-    from engines.model.identity import model_identity, parameter_dtypes
-    from engines.model.mtp import local_folder
-    from scheduler.prefix_folder import SUBFOLDER
-    from scheduler.prefix_traffic import NoTraffic, traffic_tokens
+    from scheduler.prefix_traffic import NoTraffic, served_identity, traffic_tokens
 
-    memo = folder / SUBFOLDER / ".hashes"  # the server's memo of the model's file hashes
-    identity = model_identity(local_folder(target.folder), parameter_dtypes(target.model), memo)
     try:
-        found = traffic_tokens(folder, identity, keys)
+        found = traffic_tokens(folder, served_identity(folder, target), keys)
     except NoTraffic as error:
         raise SystemExit(f"--from-traffic: {error}") from error
     if not found:

@@ -60,17 +60,7 @@ class FeatureRows(BatchedMTP):
         return cache
 
     def leave(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):
-        """(what a prefix-cache entry keeps of it, the row's state with its own drafter
-        cache again)."""
-        state = rows[index].drafting.mtp
-        if state is None:
-            return None, None
-        entry = self.copy(cache, rows, index)
-        own = [layer.take([index]) for layer in cache]
-        for layer in own:
-            layer.set_lengths([state.length])
-        state.cache, state.speculative = own, 0
-        return entry, state
+        return leave_with_entry(self, cache, rows, index)
 
     def copy(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):
         """Row `index`'s context K/V for a prefix-cache entry (copies); the row goes on."""
@@ -186,12 +176,18 @@ class Eagle3Rows(BatchedMTP):
         return drafter_entry(state, rows[index].tokens, [head], self.entry_ahead)
 
     def leave(self, cache: list[RaggedKVCache], rows: list[BatchRow], index: int):
-        """(the row's prefix-cache entry, its state with its own one-row cache again)."""
-        state = rows[index].drafting.mtp
-        if state is None:
-            return None, None
-        entry = self.copy(cache, rows, index)
-        own = cache[0].take([index])
-        own.set_lengths([state.length])
-        state.cache, state.speculative = [own], 0
-        return entry, state
+        return leave_with_entry(self, cache, rows, index)
+
+
+def leave_with_entry(drafter: BatchedMTP, cache: list[RaggedKVCache], rows, index: int):
+    """A feature drafter's row leaving: (what a prefix-cache entry keeps of it, the row's
+    state with its own one-row cache of its true positions again)."""
+    state = rows[index].drafting.mtp
+    if state is None:
+        return None, None
+    entry = drafter.copy(cache, rows, index)
+    own = [layer.take([index]) for layer in cache]
+    for layer in own:
+        layer.set_lengths([state.length])
+    state.cache, state.speculative = own, 0
+    return entry, state

@@ -21,7 +21,6 @@ from engines.batched.prefill_groups import PrefillGroup, leave_group
 from engines.cache.ragged_cache import RaggedKVCache, ragged_from_rows, remove_rows
 from engines.drafting.draft_model import DraftState
 from engines.drafting.mtp import MTPState
-from engines.drafting.prompt_lookup import PromptLookupDrafter
 from engines.faults import check
 from engines.interface import StepResult, starting_state
 from engines.sequence import FinishReason, Sequence, StepOutput
@@ -89,9 +88,7 @@ class BatchMembership:
         drafter = self.model_drafter
         state = resume_drafter(state, getattr(drafter, "entry_ahead", None))
         drafting = state.drafting  # the request's own, kept as the same object
-        if drafting.gates is None:
-            drafting.gates = self.limits.initial_gates(seq)
-        drafting.pld = drafting.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
+        drafting.fill(self.limits, seq)
         row = BatchRow(seq, drafting)
         draft, drafting.draft = drafting.draft, None  # its cache becomes the batch's row
         draft_rows = drafter.join(row, draft, drafting.mtp) if drafter else None

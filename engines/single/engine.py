@@ -38,7 +38,6 @@ from engines.drafting.draft_model import DraftState
 from engines.drafting.draft_vocab import describe_vocabulary, vocabulary_of
 from engines.drafting.entries import drafter_entry
 from engines.drafting.mtp import MTPState
-from engines.drafting.prompt_lookup import PromptLookupDrafter
 from engines.gating.measured_costs import PLAIN, CostModel
 from engines.interface import StepResult, starting_state
 from engines.model.registry import ModelRegistry
@@ -128,11 +127,9 @@ class SpeculativeEngine:
         seq = state.seq
         state = resume_drafter(state, getattr(self.drafter, "entry_ahead", None))
         drafting = state.drafting  # the request's own, kept as the same object
-        drafting.pld = drafting.pld or PromptLookupDrafter(max_ngram=self.config.pld_max_ngram)
+        drafting.fill(self.limits, seq)
         drafting.draft = drafting.draft or DraftState()
         drafting.mtp = drafting.mtp or MTPState()
-        if drafting.gates is None:
-            drafting.gates = self.limits.initial_gates(seq)
         active = Active(seq, state.cache, state.cached, seq.processors, drafting)
         if active.processors:
             active.history = mx.array(active.tokens[: state.cached], dtype=mx.int32)
@@ -202,14 +199,12 @@ class SpeculativeEngine:
     def _feature_entry(self, active: Active) -> DraftState | None:
         """What a prefix-cache entry keeps of a feature drafter (DFlash's context K/V,
         an EAGLE-3 chain's pairs; copies), or None: the drafter keeps nothing there."""
-        ahead = getattr(self.drafter, "entry_ahead", None)
-        if ahead is None or active.drafting.mtp.cache is None:
+        ahead, state = getattr(self.drafter, "entry_ahead", None), active.drafting.mtp
+        if ahead is None or state.cache is None:
             return None
-        self.drafter.feed(
-            active.drafting.mtp
-        )  # its pending positions too: the entry holds them all
-        layers = [layer.extract(0) for layer in active.drafting.mtp.cache]
-        return drafter_entry(active.drafting.mtp, active.tokens, layers, ahead)
+        self.drafter.feed(state)  # its pending positions too: the entry holds them all
+        layers = [layer.extract(0) for layer in state.cache]
+        return drafter_entry(state, active.tokens, layers, ahead)
 
     # ---- the step ---------------------------------------------------------------
 

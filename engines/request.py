@@ -6,6 +6,7 @@ JSON. Both dataclasses are frozen so a request can be shared across threads.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,22 @@ class Constraint:
 
 
 @dataclass(frozen=True)
+class PromptImage:
+    """An image in the prompt: the positions its tokens take from `start` and what the
+    vision tower reads (`span`: an `engines.model.vision.ImageSpan`, made by the server).
+    `digest` (a hash of the image's bytes) is part of the request's cache scope, so a
+    cached prefix never stands in for a different image at the same positions."""
+
+    start: int
+    span: Any = field(compare=False, repr=False)
+    digest: str = ""
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.span.ids)
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One generation job: prompt token ids, sampling, limits and stop conditions."""
 
@@ -80,6 +97,18 @@ class GenerationRequest:
     # prompt positions to keep a cache at where caches cannot be cut back (the end of a
     # chat's system prompt: what every conversation with it shares)
     checkpoints: tuple[int, ...] = ()
+    images: tuple[PromptImage, ...] = ()  # in prompt order; their tokens are in prompt_tokens
+
+    @property
+    def prefix_scope(self) -> str:
+        """The prefix cache's partition for this prompt: its key's scope, and for a
+        prompt with images the digests of its images in order. Image tokens are the
+        same ids for every image, so a prefix through an image is only reused for the
+        same images (the same screenshot in an agent's next turn)."""
+        if not self.images:
+            return self.cache_scope
+        digests = "\n".join(image.digest for image in self.images).encode()
+        return f"{self.cache_scope}\x1fimages:{hashlib.sha256(digests).hexdigest()[:32]}"
 
 
 def next_checkpoint(request: GenerationRequest, cached: int, end: int) -> int:

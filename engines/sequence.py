@@ -62,6 +62,9 @@ class Sequence:
     # the requests of its key that wait for them.
     prefilled: int = 0
     keep_at: set[int] = field(default_factory=set)
+    # each prompt image's input embeddings once the vision tower ran (engine thread;
+    # `engines.prompt_images`), dropped when the prompt is in
+    image_embeddings: dict[int, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.stop = StopMatcher(self.request.stop)

@@ -120,7 +120,7 @@ class PrefillFollowers:
         if tracked.parked is not None or request.prompt_logprobs is not None:
             return None
         prompt = request.prompt_tokens
-        served = self.cache.memory_serves(list(prompt), request.cache_scope)
+        served = self.cache.memory_serves(list(prompt), request.prefix_scope)
         best: tuple[int, TrackedRequest] | None = None
         for leader in self._candidates(tracked, requests):
             other = leader.request.prompt_tokens
@@ -171,10 +171,10 @@ class PrefillFollowers:
         (prefilling, or decoding with their prompt in), and those waiting ahead of it,
         but not ones that wait for a leader themselves, paused ones, nor ones whose
         prompts are scored instead."""
-        scope = tracked.request.cache_scope
+        scope = tracked.request.prefix_scope
         ahead = [t for t in requests.waiting if t.arrived < tracked.arrived]
         for other in [*requests.running.values(), *ahead]:
-            if other is tracked or other.request.cache_scope != scope:
+            if other is tracked or other.request.prefix_scope != scope:
                 continue
             if other.parked is not None:
                 continue

@@ -30,7 +30,7 @@ class PrefixReuse:
 
     def start(self, seq: Sequence, model) -> SequenceState:
         """The sequence with the cache of its prompt's longest cached prefix."""
-        prompt, scope = list(seq.request.prompt_tokens), seq.request.cache_scope
+        prompt, scope = list(seq.request.prompt_tokens), seq.request.prefix_scope
         hit = self.cache.lookup(prompt, scope) if self.cache is not None else None
         if hit is None:
             return SequenceState(seq, make_prompt_cache(model), 0)
@@ -45,7 +45,7 @@ class PrefixReuse:
             return tracked.disk_entry is not None and cache.disk.reading(tracked.disk_entry)
         if tracked.parked is not None or request.prompt_logprobs is not None:
             return False
-        entry = cache.disk_entry(list(request.prompt_tokens), request.cache_scope)
+        entry = cache.disk_entry(list(request.prompt_tokens), request.prefix_scope)
         if entry is not None and cache.disk.reading():
             return True  # its turn comes when the file being read is in
         tracked.disk_checked, tracked.disk_entry = True, entry
@@ -65,7 +65,7 @@ class PrefixReuse:
         for state, kind in kept:
             tokens = state.seq.all_tokens
             if state.cached <= len(tokens):
-                scope = state.seq.request.cache_scope
+                scope = state.seq.request.prefix_scope
                 self.cache.store(
                     tokens[: state.cached], state.cache, scope, state.drafting.draft, kind
                 )

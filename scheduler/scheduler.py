@@ -24,6 +24,7 @@ from engines.batched.fallback import BatchedEngine
 from engines.errors import ContextTooLong, InvalidRequest, QueueFull, ServerNotReady
 from engines.interface import Engine
 from engines.model.registry import ModelRegistry
+from engines.prompt_images import check_images
 from engines.request import GenerationRequest, check_token_ids
 from engines.sequence import FinishReason
 from engines.single.engine import SpeculativeEngine
@@ -197,6 +198,7 @@ class Scheduler(Admitting, Stepping, Pausing, Preemption):
             raise InvalidRequest("the prompt is empty")
         if info is not None:
             check_token_ids(request, info.vocab_size)
+        check_images(request)
         if request.max_tokens < (0 if request.prompt_logprobs is not None else 1):
             raise InvalidRequest("max_tokens must be at least 1 (0 only to score the prompt)")
         context = info.context_length if info else None

@@ -73,6 +73,8 @@ async def list_models(request: Request) -> JSONResponse:
                     "owned_by": "tandem",
                     "root": config.served_model_name,  # never a path on this disk
                     "max_model_len": info.context_length,
+                    # LM Studio's and Ollama's word for it: whether images reach the model
+                    "capabilities": {"vision": info.vision is not None},
                 }
             ],
         }

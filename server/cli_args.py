@@ -11,6 +11,8 @@ import argparse
 import os
 
 from server.config import DEFAULT_MAX_TOKENS
+from server.image_urls import parse_url_hosts
+from server.images import ImageLimits
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -150,7 +152,10 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
 def add_http_flags(parser: argparse.ArgumentParser) -> None:
     """Bounds the HTTP layer enforces: body size, timeouts, connections, rate, shutdown."""
     parser.add_argument(
-        "--max-body-bytes", type=int, default=4 << 20, help="largest request body (413 above)"
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="largest request body (413 above); default 4 MiB, 32 MiB for a vision model",
     )
     parser.add_argument(
         "--header-timeout",
@@ -295,6 +300,55 @@ def add_request_limit_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _image_url_hosts(text: str) -> tuple[str, ...]:
+    try:
+        return parse_url_hosts(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def add_image_flags(parser: argparse.ArgumentParser) -> None:
+    """Bounds on the images a request carries, and whether the server fetches image URLs
+    (defaults: server.images.ImageLimits)."""
+    parser.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=ImageLimits.max_bytes,
+        metavar="N",
+        help="largest encoded image, in bytes (400 above)",
+    )
+    parser.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=ImageLimits.max_pixels,
+        metavar="N",
+        help="largest image width x height, read from its header before decoding (400 above)",
+    )
+    parser.add_argument(
+        "--max-images-per-request",
+        type=int,
+        default=ImageLimits.max_images,
+        metavar="N",
+        help="images one request may carry (400 above)",
+    )
+    parser.add_argument(
+        "--allow-image-urls",
+        type=_image_url_hosts,
+        default=ImageLimits.url_hosts,
+        metavar="HOSTS",
+        help="comma-separated hosts the server fetches image URLs from: names, "
+        "'*.example.com' (subdomains), '*' (any), IP addresses, CIDR networks; private "
+        "addresses only when listed by address or network (default: no URLs, base64 only)",
+    )
+    parser.add_argument(
+        "--image-url-timeout",
+        type=float,
+        default=ImageLimits.url_timeout_s,
+        metavar="S",
+        help="seconds one image URL fetch may take, from resolving the host to the last byte",
+    )
+
+
 def add_scheduling_flags(parser: argparse.ArgumentParser) -> None:
     """When continuous batching takes over from speculation and back."""
     parser.add_argument(
@@ -416,6 +470,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_tool_and_reasoning_flags(parser)
     add_test_hook_flags(parser)
     add_request_limit_flags(parser)
+    add_image_flags(parser)
     add_scheduling_flags(parser)
     add_kv_cache_flags(parser)
     add_served_name_flags(parser)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler.config import SchedulerConfig
+from server.images import ImageLimits
 
 # Tokens a reply may generate when the request names no limit (--default-max-tokens):
 # above any one agent turn (Claude Code asks 32000 itself), cut to the context's room.
@@ -42,3 +43,4 @@ class ServerConfig:
     strict_tool_calls: bool = False  # only tagged tool calls; untagged JSON calls stay text
     tool_call_grammar: str = "off"  # auto: tagged calls under tool_choice auto are enforced
     responses_store_bytes: int = 32 << 20  # bound on stored Responses (also 256 entries)
+    image_limits: ImageLimits = ImageLimits()  # bytes, pixels, count, URL hosts

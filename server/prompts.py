@@ -108,6 +108,7 @@ def render_chat(
     param: str = "messages",
     checkpoint_system: bool = False,
     generation_prompt: bool = True,
+    images: Any = None,
 ) -> RenderedChat:
     """Render normalised messages ({"role", "content", "tool_calls"?, ...}, with tool
     call arguments as objects) through the model's chat template and encode them.
@@ -115,7 +116,9 @@ def render_chat(
     only the template's own markup becomes special ids (see `server.safe_encoding`).
     With `checkpoint_system`, `checkpoints` holds where the tokens every conversation
     with these system messages and tools shares end, as mlx_lm.server finds it: a
-    model whose caches cannot be cut back keeps its cache there for the next one."""
+    model whose caches cannot be cut back keeps its cache there for the next one.
+    With `images` of a vision model, the template reads typed content parts, an image
+    part where each image was (`server.image_prompts`)."""
     if not tokenizer.has_chat_template:
         raise ApiError(
             400,
@@ -126,18 +129,29 @@ def render_chat(
         )
     escaper = Escaper.for_tokenizer(tokenizer)
     try:
-        marked = apply_template(tokenizer, escaper, messages, tools, generation_prompt)
+        marked = apply_template(tokenizer, escaper, messages, tools, generation_prompt, images)
     except Exception as exc:  # noqa: BLE001 - templates raise arbitrary errors on bad input
         folded = fold_late_system_turns(messages)
         if folded == messages:
             raise bad_request(f"the chat template rejected these messages: {exc}", param) from exc
         return render_chat(
-            tokenizer, folded, tools, think_start, param, checkpoint_system, generation_prompt
+            tokenizer,
+            folded,
+            tools,
+            think_start,
+            param,
+            checkpoint_system,
+            generation_prompt,
+            images,
         )
     text = escaper.unescape(marked)
     starts_in_reasoning = bool(think_start) and text.rstrip().endswith(think_start)
     ids = encode_marked(tokenizer, marked, escaper)
-    shared = shared_system_end(tokenizer, messages, tools, escaper, ids) if checkpoint_system else 0
+    shared = (
+        shared_system_end(tokenizer, messages, tools, escaper, ids, images)
+        if checkpoint_system
+        else 0
+    )
     checkpoints = (shared,) if shared else ()
     return RenderedChat(ids, text, starts_in_reasoning, marked, escaper, checkpoints)
 
@@ -148,11 +162,14 @@ def apply_template(
     messages: list[dict],
     tools: list | None,
     generation_prompt: bool = True,
+    images: Any = None,
 ) -> str:
     """The template's text for escaped `messages` and `tools` (markers, not specials).
     What the template would drop (tools, earlier calls) is first written into the
     messages as text (`server.tool_prompt`): never silently lost."""
     messages, tools = messages_for_template(tokenizer, messages, tools)
+    if images is not None and images.reads_images:
+        messages = images.as_parts(messages)
     return tokenizer.apply_chat_template(
         escaper.escape(messages),
         tools=escaper.escape(tools) or None,
@@ -185,14 +202,19 @@ def fold_late_system_turns(messages: list[dict]) -> list[dict]:
 
 
 def prefix_length(
-    tokenizer: Any, escaper: Escaper, messages: list[dict], tools: list | None, ids: list[int]
+    tokenizer: Any,
+    escaper: Escaper,
+    messages: list[dict],
+    tools: list | None,
+    ids: list[int],
+    images: Any = None,
 ) -> int:
     """How many of `ids` (a prompt rendered with `escaper`) the template rendered for
     `messages` without a generation prompt starts with: where a conversation that
     begins with `messages` stops sharing the prompt's tokens (0 when the template
     refuses them)."""
     try:
-        probe = apply_template(tokenizer, escaper, messages, tools, generation_prompt=False)
+        probe = apply_template(tokenizer, escaper, messages, tools, False, images)
     except Exception:  # noqa: BLE001 - a template may insist on its own turn order
         return 0
     shared = 0
@@ -204,7 +226,12 @@ def prefix_length(
 
 
 def shared_system_end(
-    tokenizer: Any, messages: list[dict], tools: list | None, escaper: Escaper, ids: list[int]
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list | None,
+    escaper: Escaper,
+    ids: list[int],
+    images: Any = None,
 ) -> int:
     """How many of `ids` any conversation with the same system messages and tools
     starts with: the prompt's common prefix with the template rendered for those and
@@ -213,5 +240,5 @@ def shared_system_end(
     if not system and not tools:
         return 0
     empty_turn = [*system, {"role": "user", "content": ""}]
-    shared = prefix_length(tokenizer, escaper, empty_turn, tools, ids)
+    shared = prefix_length(tokenizer, escaper, empty_turn, tools, ids, images)
     return shared if 0 < shared < len(ids) - 1 else 0

@@ -24,12 +24,15 @@ from pathlib import Path
 import uvicorn
 
 from engines.gating.measured_costs import CostModel
+from engines.model.registry import local_config
+from engines.model.vision import is_vision_config
 from scheduler import SchedulerState
 from scheduler.config import SchedulerConfig
 from server.auth import check_keys
 from server.config import ServerConfig
 from server.connections import ConnectionLimits, fitting_open_file_limit, guarded_protocol
 from server.hosts import ANY_HOST
+from server.images import ImageLimits
 from server.log_throttle import RefusedRequestLogThrottle
 from server.logging_setup import uvicorn_log_config
 
@@ -77,6 +80,14 @@ def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
         keep_alive_timeout=args.keep_alive_timeout,
         max_connections=fitting_open_file_limit(args.max_connections),
     )
+
+
+def body_limit(args: argparse.Namespace, model_path: str) -> int:
+    """--max-body-bytes, or its default: 4 MiB, or 32 MiB for a model folder with a
+    vision tower (a screenshot sent as base64 alone is often over 4 MiB)."""
+    if args.max_body_bytes is not None:
+        return args.max_body_bytes
+    return 32 << 20 if is_vision_config(local_config(model_path)) else 4 << 20
 
 
 def build_config(args: argparse.Namespace) -> ServerConfig:
@@ -162,7 +173,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         ui=not args.no_ui,
         metrics_api_keys=metrics_keys,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
-        max_body_bytes=args.max_body_bytes,
+        max_body_bytes=body_limit(args, model_path),
         body_timeout=args.body_timeout,
         allowed_hosts=allowed_hosts(args, keyed=bool(keys)),
         rate_limit_per_minute=args.rate_limit,
@@ -171,6 +182,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         reasoning_parser=args.reasoning_parser,
         strict_tool_calls=args.strict_tool_calls,
         tool_call_grammar=args.tool_call_grammar,
+        image_limits=ImageLimits.from_args(args),
     )
 
 

@@ -324,6 +324,7 @@ class BatchedSpeculativeEngine(BatchMembership):
             checkpoints,
             self.contain,
             feed,
+            self.registry.target.vision,
         )
 
     def _join_prefilled(self, joining, outputs: list[StepOutput]) -> list[StepOutput]:

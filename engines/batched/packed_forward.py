@@ -137,9 +137,12 @@ class ChunkFeed:
         self.logits: mx.array | None = None  # the carried step's, once the chunk ran
         self.tokens = 0  # prompt tokens fed
 
-    def __call__(self, model: Any, cache: list, rows: list[list[int]]) -> mx.array:
+    def __call__(
+        self, model: Any, cache: list, rows: list[list[int]], embeddings: mx.array | None = None
+    ) -> mx.array:
         self.tokens += sum(len(r) for r in rows)
-        if self.inputs is None or self.logits is not None:
-            return feed_rows(model, cache, rows)
+        if self.inputs is None or self.logits is not None or embeddings is not None:
+            # a chunk with images runs alone; the rows' step then runs as its own forward
+            return feed_rows(model, cache, rows, embeddings)
         chunk, self.logits = feed_together(model, [(cache, rows), (self.cache, None)], self.inputs)
         return chunk

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache
@@ -25,6 +25,7 @@ from engines.batched.drafting import BatchRow, DraftModelRows
 from engines.batched.verify import accept_rows, commit_row, process_rows
 from engines.cache.ragged_cache import RaggedKVCache, feed_rows, remove_rows
 from engines.faults import check
+from engines.prompt_images import chunk_embeddings
 from engines.request import at_checkpoint, next_checkpoint
 from engines.sequence import StepOutput
 from engines.state import SequenceState
@@ -159,20 +160,24 @@ def prefill_chunk(
     chunk: int,
     checkpoints: Checkpoints,
     feed: Callable = feed_rows,
+    vision: Any = None,
 ) -> tuple[list[int], list[StepOutput]]:
     """Feed the group's rows their next `chunk` of prompt (target and draft caches,
     up to a prompt checkpoint when `checkpoints.at_positions`); the rows whose prompts
     are then in get their first tokens: (their indices, outputs). What becomes a
     prefix-cache entry is added to `checkpoints.taken`. `feed` runs the target forward
     (`feed_rows`'s signature): a packed one carries the decoding rows' step along
-    (`packed_forward`)."""
+    (`packed_forward`). A chunk reaching a prompt image is fed as input embeddings
+    (`prompt_images`, with the model's `vision` half)."""
     before = list(group.cache[0].held)
     chunks = [
         r.tokens[held : min(_prefill_end(r, held, checkpoints.at_positions), held + chunk)]
         for r, held in zip(group.rows, before, strict=True)
     ]
     if any(chunks):
-        feed(model, group.cache, chunks)
+        rows = zip(group.rows, before, chunks, strict=True)
+        embeddings = chunk_embeddings(vision, [(r.seq, held, ids) for r, held, ids in rows])
+        feed(model, group.cache, chunks, embeddings)
     after = list(group.cache[0].held)
     for row, held in zip(group.rows, after, strict=True):
         row.seq.prefilled = held
@@ -228,6 +233,7 @@ def prefill_next(
     checkpoints: Checkpoints,
     contain: bool,
     feed: Callable = feed_rows,
+    vision: Any = None,
 ) -> tuple[tuple[list[BatchRow], list, list | None] | None, list[StepOutput]]:
     """One chunk of the next group (`next_group`, `prefill_chunk`): the rows whose
     prompts are then in, taken out to join the batch with their target and draft cache
@@ -237,7 +243,7 @@ def prefill_next(
     group = next_group(groups)
     group.started = True
     try:
-        ready, outputs = prefill_chunk(model, drafter, mtp, group, chunk, checkpoints, feed)
+        ready, outputs = prefill_chunk(model, drafter, mtp, group, chunk, checkpoints, feed, vision)
     except Exception as exc:  # noqa: BLE001 - the group's rows fail, the batch goes on
         if not contain:
             raise

@@ -391,16 +391,22 @@ def _tokens_held(row: list) -> int:
 # ---- forwards over ragged rows ------------------------------------------------------
 
 
-def feed_rows(model, cache: list[RaggedKVCache], rows: list[list[int]]) -> mx.array:
+def feed_rows(
+    model, cache: list[RaggedKVCache], rows: list[list[int]], embeddings: mx.array | None = None
+) -> mx.array:
     """One forward with each row's own tokens (padded at the end); each row's cache
-    advances by its own count. Returns logits (B, T, V)."""
+    advances by its own count. Returns logits (B, T, V). With `embeddings` (B, T,
+    hidden), the forward reads them in place of the tokens' own (prompt images)."""
     width = max(1, max(len(r) for r in rows))
     lengths = list(cache[0].held)
     inputs = mx.array([r + [0] * (width - len(r)) for r in rows])
     ragged = any(len(r) != width for r in rows)
     if ragged:  # recurrent rows must not absorb the padding
         prepare_rows(cache, [len(r) for r in rows])
-    logits = model(inputs, cache=cache)
+    if embeddings is None:
+        logits = model(inputs, cache=cache)
+    else:
+        logits = model(inputs, cache=cache, input_embeddings=embeddings)
     if ragged:
         finish_rows(cache)
     new = [length + len(r) for length, r in zip(lengths, rows, strict=True)]

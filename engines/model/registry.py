@@ -8,6 +8,7 @@ engines silently interleaving work on one KV-cache-carrying model.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from engines.distributed.lockstep import LockstepModel, distributed_group, load_
 from engines.errors import DraftIncompatible
 from engines.model.gguf_import import import_gguf, is_gguf
 from engines.model.packaged_models import CATALOGUE, packaged_gguf
+from engines.model.vision import VisionParts, is_vision_config, load_vision_model, vision_support
 from engines.platform import cpu_attention
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,9 @@ class LoadedModel:
     tokenizer: Any  # mlx_lm TokenizerWrapper
     config: dict
     folder: str = ""  # what mlx-lm loaded: a local folder or a hub id
+    vision: VisionParts | None = None  # a vision-language model's image half
+    # why a checkpoint with a vision tower is served text-only ("" when it is not one)
+    text_only_reason: str = ""
 
     @property
     def context_length(self) -> int | None:
@@ -51,9 +56,10 @@ def load_model(
     path: str, gguf_dtype: str | None = None, distributed: str | None = None
 ) -> LoadedModel:
     """Load through `mlx_lm.load`, exactly as users of mlx-lm would, from what
-    `model_folder` makes of `path`; with `distributed` ("tensor" or "pipeline"), this
-    rank's shard through mlx-lm's `sharded_load`, wrapped so the other ranks repeat
-    its forwards (`lockstep`)."""
+    `model_folder` makes of `path` (a vision-language checkpoint through mlx-vlm, its
+    language half as mlx-lm's model: `engines.model.vision`); with `distributed`
+    ("tensor" or "pipeline"), this rank's shard through mlx-lm's `sharded_load`,
+    wrapped so the other ranks repeat its forwards (`lockstep`)."""
     from mlx_lm import load
 
     folder = model_folder(path, gguf_dtype)
@@ -61,11 +67,26 @@ def load_model(
         group = distributed_group()
         model, tokenizer, config = load_shard(folder, distributed, group)
         model = LockstepModel(model, group)
+        return LoadedModel(path, model, tokenizer, config, folder)
+    config = local_config(folder)
+    vision, reason = None, ""
+    if is_vision_config(config):
+        reason = vision_support(config) or ""
+        if reason:
+            log.warning("%s: served text-only: %s", path, reason)
+    if is_vision_config(config) and not reason:
+        model, tokenizer, vision = load_vision_model(folder, config)
     else:
         model, tokenizer, config = load(folder, return_config=True)
-        trimmable_windows(model)  # sliding windows roll back without a replay
-        cpu_attention.install(model)  # a CPU device's attention on every core
-    return LoadedModel(path=path, model=model, tokenizer=tokenizer, config=config, folder=folder)
+    trimmable_windows(model)  # sliding windows roll back without a replay
+    cpu_attention.install(model)  # a CPU device's attention on every core
+    return LoadedModel(path, model, tokenizer, config, folder, vision, reason)
+
+
+def local_config(folder: str) -> dict:
+    """A local folder's config.json ({} for a hub id: mlx-lm fetches it)."""
+    config = Path(folder).expanduser() / "config.json"
+    return json.loads(config.read_text()) if config.is_file() else {}
 
 
 def model_folder(path: str, gguf_dtype: str | None = None) -> str:

@@ -38,10 +38,12 @@ from engines.drafting.draft_model import DraftState
 from engines.drafting.draft_vocab import describe_vocabulary, vocabulary_of
 from engines.drafting.entries import drafter_entry
 from engines.drafting.mtp import MTPState
+from engines.errors import InvalidRequest
 from engines.gating.measured_costs import PLAIN, CostModel
 from engines.interface import StepResult, starting_state
 from engines.model.registry import ModelRegistry
 from engines.prefill_pacing import PrefillPacer
+from engines.prompt_images import chunk_embeddings
 from engines.request import at_checkpoint, next_checkpoint
 from engines.sample.acceptance import accept_greedy
 from engines.sample.logprobs import token_logprob, token_logprobs
@@ -272,8 +274,16 @@ class SpeculativeEngine:
             end = next_checkpoint(active.seq.request, active.cached, end)
         end = active.seq.prefill_stop(active.cached, end)
         started = time.perf_counter()
-        chunk = mx.array(active.tokens[active.cached : end][: self.pacer.next_chunk(False)])
-        if self._feeds_mtp(active):
+        ids = active.tokens[active.cached : end][: self.pacer.next_chunk(False)]
+        chunk = mx.array(ids)
+        vision = self.registry.target.vision
+        embeddings = chunk_embeddings(vision, [(active.seq, active.cached, ids)])
+        if embeddings is not None:
+            if self._feeds_mtp(active):
+                raise InvalidRequest("an MTP head cannot draft for a prompt with images yet")
+            self.model(chunk[None], cache=active.cache, input_embeddings=embeddings)
+            mx.eval([c.state for c in active.cache])
+        elif self._feeds_mtp(active):
             # the MTP head sees the prompt too: each position's hidden state with the
             # token after it, fed now (not kept: a long prompt's states are large)
             _, hidden = self._forward(active, chunk)

@@ -23,6 +23,7 @@ from engines.request import GenerationRequest, SamplingParams, SpeculationOverri
 from engines.sequence import FinishReason
 from scheduler import TokenEvent
 from server.anthropic.blocks import BlockStream
+from server.anthropic.images import take_images
 from server.anthropic.prompt import forced_tool, render_prompt, skipped_tools, template_tools
 from server.anthropic.schemas import CountTokensRequest, MessagesRequest, Metadata
 from server.errors import anthropic_error_body, from_tandem_error
@@ -44,6 +45,7 @@ from server.http import (
     parse_body,
     submit,
 )
+from server.image_prompts import PromptImages
 from server.keepalive import Quiet
 from server.output_parser import OutputParser
 from server.server_tools import note_skipped_tools
@@ -186,16 +188,19 @@ def to_job(request: Request, body: MessagesRequest, model: str) -> MessageJob:
     info = model_info_of(request)
     tools = template_tools(body)
     think = output_markers(request).think
-    rendered = render_prompt(info.tokenizer, body, tools, think, info.prompt_checkpoints)
     config = config_of(request)
+    images = PromptImages(info.vision, config.image_limits)
+    take_images(body, images)
+    rendered = render_prompt(info.tokenizer, body, tools, think, info.prompt_checkpoints, images)
+    ids, positions, prompt_images = images.splice(rendered.ids, rendered.checkpoints)
     caching = config.scheduler.prefix_cache_entries > 0
     max_tokens = effective_max_tokens(
         body.max_tokens,
-        len(rendered.ids),
+        len(ids),
         info.context_length,
         MaxTokens.of(config),
     )
-    gen = generation_request(body, rendered.ids, max_tokens)
+    gen = replace(generation_request(body, ids, max_tokens), images=prompt_images)
     fmt = (body.output_config.format if body.output_config else None) or body.output_format
     schema = anthropic_output_format(fmt)
     markers = output_markers(request)
@@ -212,9 +217,9 @@ def to_job(request: Request, body: MessagesRequest, model: str) -> MessageJob:
     )
     # Checkpoints matter only where caches cannot be cut back (hybrid, windowed models):
     # elsewhere every finished request's whole cache is kept and any prefix reused.
-    checkpoints = rendered.checkpoints if info.prompt_checkpoints else ()
+    checkpoints = positions if info.prompt_checkpoints else ()
     gen = replace(gen, constraint=constraint, checkpoints=checkpoints)
-    marked = max(rendered.checkpoints, default=0) if caching else 0
+    marked = max(positions, default=0) if caching else 0
     return MessageJob(gen, model, tools, rendered.starts_in_reasoning, marked, forced[0])
 
 
@@ -279,6 +284,15 @@ async def count_message_tokens(request: Request) -> JSONResponse:
     """The prompt's token count, rendered exactly as /v1/messages would render it."""
     body = await parse_body(request, CountTokensRequest)
     check_model(config_of(request), body.model)
-    tokenizer, think = model_info_of(request).tokenizer, output_markers(request).think
-    rendered = await off_the_loop(render_prompt, tokenizer, body, template_tools(body), think)
-    return JSONResponse({"input_tokens": len(rendered.ids)})
+    think = output_markers(request).think
+    count = await off_the_loop(counted_tokens, request, body, think)
+    return JSONResponse({"input_tokens": count})
+
+
+def counted_tokens(request: Request, body: CountTokensRequest, think) -> int:
+    """The prompt's length as /v1/messages makes it, each image's tokens included."""
+    info = model_info_of(request)
+    images = PromptImages(info.vision, config_of(request).image_limits)
+    take_images(body, images)
+    rendered = render_prompt(info.tokenizer, body, template_tools(body), think, images=images)
+    return len(images.splice(rendered.ids)[0])

@@ -18,7 +18,7 @@ tokens usage reports as written to the cache.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from server.anthropic.schemas import (
     InputMessage,
@@ -32,6 +32,7 @@ from server.anthropic.schemas import (
     ToolUseBlock,
 )
 from server.errors import ApiError, bad_request
+from server.image_prompts import join_blocks
 from server.prompts import (
     RenderedChat,
     extend_chat,
@@ -40,6 +41,9 @@ from server.prompts import (
     render_chat,
 )
 from server.server_tools import server_tool_kind
+
+if TYPE_CHECKING:
+    from server.image_prompts import PromptImages
 
 TEXT_JOIN = "\n"  # between consecutive text blocks of one turn, as vLLM joins text parts
 MEDIA_BLOCKS = ("image", "document")
@@ -62,7 +66,8 @@ def block_text(block: Any, where: str, role: str) -> str:
 
 
 def joined_text(blocks: list, where: str, role: str) -> str:
-    return TEXT_JOIN.join(block_text(b, f"{where}[{j}]", role) for j, b in enumerate(blocks))
+    texts = [block_text(b, f"{where}[{j}]", role) for j, b in enumerate(blocks)]
+    return join_blocks(texts, TEXT_JOIN)
 
 
 def user_turn(message: InputMessage, index: int) -> list[dict]:
@@ -76,7 +81,7 @@ def user_turn(message: InputMessage, index: int) -> list[dict]:
         else:
             texts.append(block_text(block, where, "user"))
     if texts or not results:
-        return [*results, {"role": "user", "content": TEXT_JOIN.join(texts)}]
+        return [*results, {"role": "user", "content": join_blocks(texts, TEXT_JOIN)}]
     return results
 
 
@@ -238,7 +243,11 @@ def prompt_parts(body: MessagesPrompt) -> PromptParts:
 
 
 def breakpoint_positions(
-    tokenizer: Any, parts: PromptParts, tools: list | None, rendered: RenderedChat
+    tokenizer: Any,
+    parts: PromptParts,
+    tools: list | None,
+    rendered: RenderedChat,
+    images: PromptImages | None = None,
 ) -> tuple[int, ...]:
     """Token positions where the marked prefixes end: the prompt's common prefix with
     the template rendered for the messages up to each mark (no generation prompt)."""
@@ -246,7 +255,7 @@ def breakpoint_positions(
     for mark in parts.marks:
         count = parts.ends[mark + 1]
         prefix = parts.messages[:count] or [{"role": "user", "content": ""}]
-        shared = prefix_length(tokenizer, rendered.escaper, prefix, tools, rendered.ids)
+        shared = prefix_length(tokenizer, rendered.escaper, prefix, tools, rendered.ids, images)
         if 0 < shared < len(rendered.ids):
             positions.add(shared)
     return tuple(sorted(positions))
@@ -258,17 +267,24 @@ def render_prompt(
     tools: list | None,
     think: tuple[str, str] | None,
     checkpoint_system: bool = False,
+    images: PromptImages | None = None,
 ) -> RenderedChat:
     """The prompt exactly as the model sees it: template render, then any prefill.
     `checkpoints` holds the cache breakpoints' positions (and, with
-    `checkpoint_system`, where the system prompt ends)."""
+    `checkpoint_system`, where the system prompt ends). With `images` (taken out of
+    `body` first: `server.anthropic.images`), a vision model's template reads parts."""
     parts = prompt_parts(body)
     think_start = think[0] if think else None
     rendered = render_chat(
-        tokenizer, parts.messages, tools, think_start, checkpoint_system=checkpoint_system
+        tokenizer,
+        parts.messages,
+        tools,
+        think_start,
+        checkpoint_system=checkpoint_system,
+        images=images,
     )
     if parts.marks and rendered.escaper is not None:
-        marks = breakpoint_positions(tokenizer, parts, tools, rendered)
+        marks = breakpoint_positions(tokenizer, parts, tools, rendered, images)
         rendered = replace(rendered, checkpoints=tuple(sorted({*rendered.checkpoints, *marks})))
     if not parts.prefill:
         return rendered

@@ -32,6 +32,7 @@ from server.http import (
     parse_body,
     submit,
 )
+from server.image_prompts import PromptImages
 from server.json_body import PiecewiseJSONResponse
 from server.openai.logprobs import chat_logprobs, merge
 from server.openai.schemas import ChatCompletionRequest, ChatMessage, TextPart
@@ -98,6 +99,23 @@ def tool_call_arguments(call: dict, index: int) -> dict:
     return {"name": function.get("name", ""), "arguments": arguments}
 
 
+def take_images(messages: list[ChatMessage], images: PromptImages) -> None:
+    """Each `image_url` part decoded and checked, and replaced by the text standing
+    for it (`PromptImages.add`); other media parts stay, as placeholders."""
+    for index, message in enumerate(messages):
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            if isinstance(part, TextPart) or part.type != "image_url":
+                continue
+            param = f"messages[{index}].content[{j}].image_url"
+            reference = (part.model_extra or {}).get("image_url")
+            url = reference.get("url") if isinstance(reference, dict) else reference
+            if not isinstance(url, str):
+                raise bad_request(f"{param} must hold a url string", param)
+            message.content[j] = TextPart(type="text", text=images.add_reference(url, param))
+
+
 def normalize_messages(messages: list[ChatMessage]) -> list[dict]:
     """OpenAI messages -> the plain dicts chat templates expect."""
     normalized = []
@@ -130,17 +148,21 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
         else None
     )
     markers = output_markers(request)
+    images = PromptImages(info.vision, config.image_limits)
+    take_images(body.messages, images)
     rendered = render_chat(
         info.tokenizer,
         normalize_messages(body.messages),
         tools,
         markers.think[0] if markers.think else None,
         checkpoint_system=info.prompt_checkpoints,
+        images=images,
     )
+    ids, checkpoints, prompt_images = images.splice(rendered.ids, rendered.checkpoints)
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = effective_max_tokens(
         requested,
-        len(rendered.ids),
+        len(ids),
         info.context_length,
         MaxTokens.of(config),
         "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
@@ -149,7 +171,7 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
     gen = build_request(
         new_request_id("chatcmpl"),
         body,
-        rendered.ids,
+        ids,
         max_tokens,
         info.vocab_size,
         "chat",
@@ -165,7 +187,7 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
         rendered.starts_in_reasoning,
         config.tool_call_grammar == "auto",
     )
-    gen = replace(gen, constraint=constraint, checkpoints=rendered.checkpoints)
+    gen = replace(gen, constraint=constraint, checkpoints=checkpoints, images=prompt_images)
     return ChatJob(
         gen,
         model,

@@ -44,10 +44,12 @@ from server.http import (
     parse_body,
     submit,
 )
+from server.image_prompts import PromptImages
 from server.json_body import PiecewiseJSONResponse
 from server.keepalive import Quiet
 from server.output_parser import OutputParser
 from server.prompts import render_chat
+from server.responses.images import take_images
 from server.responses.inputs import normalize_input, with_instructions
 from server.responses.output import OutputAssembler, assistant_turn, new_item_id
 from server.responses.reasoning import ENCRYPTED_CONTENT, ReasoningSealer
@@ -196,6 +198,8 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
     scope = scope_of(request)
     conversation = previous_conversation(store_of(request), scope, body.previous_response_id)
     sealer = sealer_of(request)
+    images = PromptImages(info.vision, config.image_limits)
+    take_images(body, images)
     conversation += normalize_input(body.input, opener=partial(sealer.open, scope))
     if not conversation:
         raise bad_request("input has no message to answer", "input")
@@ -209,17 +213,17 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
         markers.think[0] if markers.think else None,
         "input",
         checkpoint_system=info.prompt_checkpoints,
+        images=images,
     )
+    ids, checkpoints, prompt_images = images.splice(rendered.ids, rendered.checkpoints)
     max_tokens = effective_max_tokens(
         body.max_output_tokens,
-        len(rendered.ids),
+        len(ids),
         info.context_length,
         MaxTokens.of(config),
         "max_output_tokens",
     )
-    gen = build_request(
-        new_item_id("resp"), body, rendered.ids, max_tokens, info.vocab_size, "responses"
-    )
+    gen = build_request(new_item_id("resp"), body, ids, max_tokens, info.vocab_size, "responses")
     constraint = output_constraint(
         schema,
         "text.format",
@@ -230,7 +234,7 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
         rendered.starts_in_reasoning,
         config.tool_call_grammar == "auto",
     )
-    gen = replace(gen, constraint=constraint, checkpoints=rendered.checkpoints)
+    gen = replace(gen, constraint=constraint, checkpoints=checkpoints, images=prompt_images)
     seal = partial(sealer.seal, scope) if ENCRYPTED_CONTENT in (body.include or ()) else None
     return ResponsesJob(
         gen,

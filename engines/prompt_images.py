@@ -1,0 +1,82 @@
+"""Prompt chunks that cover images, fed to the language model as input embeddings.
+
+Everything else about a prompt with images is a prompt like any other: its image
+tokens are ordinary ids in `prompt_tokens`, so chunking, the batch's ragged rows,
+prefix-cache entries (whose scope holds the images' digests) and migration treat it
+as text. Only the forward of a chunk reaching an image differs: its rows are the
+text tokens' embeddings, and in an image's rows mlx-vlm's merged embeddings
+(`VisionParts.embed`). The vision tower runs once per image and request, on the
+engine thread, at the first chunk that reaches the image (between steps, like any
+prefill chunk, so decoding rows wait no longer than for a long text prompt); the
+result waits on the request's `Sequence` until the chunk that takes the image's
+last row, then goes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from engines.errors import InvalidRequest
+from engines.request import GenerationRequest
+from engines.sequence import Sequence
+
+Chunk = tuple[Sequence, int, list[int]]  # a row's sequence, its first position, its ids
+
+
+def covers_image(seq: Sequence, start: int, count: int) -> bool:
+    return any(image.start < start + count and start < image.end for image in seq.request.images)
+
+
+def chunk_embeddings(vision: Any, rows: list[Chunk]) -> mx.array | None:
+    """Input embeddings (B, T, hidden) for rows fed their ids (padded with id 0 at the
+    end to the widest, as `feed_rows` pads them), or None when no row's chunk reaches
+    an image: the forward then takes ids, as for any text."""
+    if not any(covers_image(seq, start, len(ids)) for seq, start, ids in rows):
+        return None
+    if vision is None:
+        raise InvalidRequest("this model reads text only; the prompt holds images")
+    width = max(len(ids) for _, _, ids in rows)
+    embedded = []
+    for seq, start, ids in rows:
+        parts = [row_embeddings(vision, seq, start, ids)] if ids else []
+        if len(ids) < width:
+            parts.append(vision.embed_text([0] * (width - len(ids))))
+        embedded.append(mx.concatenate(parts) if len(parts) > 1 else parts[0])
+    return mx.stack(embedded)
+
+
+def row_embeddings(vision: Any, seq: Sequence, start: int, ids: list[int]) -> mx.array:
+    """One row's embeddings for prompt positions [start, start + len(ids))."""
+    end, position, parts = start + len(ids), start, []
+    for index, image in enumerate(seq.request.images):
+        low, high = max(image.start, start), min(image.end, end)
+        if low >= high:
+            continue
+        if position < low:
+            parts.append(vision.embed_text(ids[position - start : low - start]))
+        features = seq.image_embeddings.get(index)
+        if features is None:
+            features = seq.image_embeddings[index] = vision.embed(image.span)
+        parts.append(features[low - image.start : high - image.start])
+        if high == image.end:  # its last row is fed: a later chunk never needs it
+            del seq.image_embeddings[index]
+        position = high
+    if position < end:
+        parts.append(vision.embed_text(ids[position - start :]))
+    return mx.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def check_images(request: GenerationRequest) -> None:
+    """Each image's tokens inside the prompt, in order, not overlapping, and the ids
+    its span says: what the embedding relies on."""
+    if request.images and request.prompt_logprobs is not None:
+        raise InvalidRequest("prompt_logprobs cannot score a prompt with images")
+    previous = 0
+    for image in request.images:
+        if image.start < previous or image.end > len(request.prompt_tokens) - 1:
+            raise InvalidRequest("an image's tokens fall outside the prompt or overlap")
+        if list(request.prompt_tokens[image.start : image.end]) != list(image.span.ids):
+            raise InvalidRequest("an image's tokens differ from the prompt's at its place")
+        previous = image.end

@@ -1,0 +1,145 @@
+"""Images in chat prompts: from each surface's image parts to the model's image tokens.
+
+Each surface first takes its request's images out of the messages (`add`): decoded
+and checked (`server.images`), and replaced in the text by a sentinel unique to the
+request, so the normalising, tool and template code every surface shares handles
+them as text and keeps them in place. A model that reads text only gets a short
+placeholder there instead (counted in `omitted`, reported to the client).
+
+Rendering then hands the template typed parts (`as_parts`: the `{"type": "image"}`
+parts vision templates expect, where the sentinels were), the template writes its
+image marker for each, and `splice` puts each image's tokens, as mlx-vlm's processor
+expands them, in place of its marker. The processor runs here, on the request's
+worker thread; the vision tower runs later, on the engine thread, when the prefill
+reaches the image (`engines.prompt_images`).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Any
+
+import anyio.from_thread
+
+from engines.request import PromptImage
+from server.errors import bad_request
+from server.images import (
+    ImageInput,
+    ImageLimits,
+    check_image_count,
+    image_from_base64,
+    image_from_reference,
+)
+from server.prompts import media_placeholder
+
+SENTINEL = "\ue000image-{}\ue001"
+EARLIER = re.compile("\ue000image-[0-9a-f]{16}\ue001")
+EARLIER_IMAGE = "[image from an earlier response omitted]"
+
+
+def join_blocks(texts: list[str], separator: str) -> str:
+    """Text blocks joined by `separator`, but none beside an image's stand-in: an image
+    block sits against its neighbours, as a template's image part does."""
+    joined = ""
+    for index, text in enumerate(texts):
+        if index and not (EARLIER.fullmatch(text) or EARLIER.fullmatch(texts[index - 1])):
+            joined += separator
+        joined += text
+    return joined
+
+
+class PromptImages:
+    """One request's images in the order its messages hold them. `vision` is the
+    model's `VisionParts` (None: the model reads text only). Lives with the request,
+    on its worker thread."""
+
+    def __init__(self, vision: Any, limits: ImageLimits) -> None:
+        self.vision, self.limits = vision, limits
+        self.sentinel = SENTINEL.format(secrets.token_hex(8))
+        self.images: list[ImageInput] = []
+        self.omitted = 0  # images a text-only model was sent
+
+    @property
+    def reads_images(self) -> bool:
+        return self.vision is not None
+
+    def add(self, image: ImageInput, param: str) -> str:
+        """The text that stands for `image` in its message."""
+        if self.vision is None:
+            self.omitted += 1
+            return media_placeholder("image")
+        check_image_count(len(self.images) + 1, self.limits, param)
+        self.images.append(image)
+        return self.sentinel
+
+    def add_base64(self, data: Any, media_type: Any, param: str) -> str:
+        """`add` for an image sent as base64 with its media type (Anthropic's)."""
+        if self.vision is None:
+            self.omitted += 1
+            return media_placeholder("image")
+        if not isinstance(data, str) or not isinstance(media_type, str):
+            raise bad_request(f"{param} needs base64 `data` and a `media_type`", param)
+        return self.add(image_from_base64(data, media_type, self.limits, param), param)
+
+    def add_reference(self, url: str, param: str) -> str:
+        """`add` for an image given as a data: or http(s) URL (fetched, when the
+        operator allows its host, from this worker thread through the event loop)."""
+        if self.vision is None:
+            self.omitted += 1
+            return media_placeholder("image")
+        image = anyio.from_thread.run(image_from_reference, url, self.limits, param)
+        return self.add(image, param)
+
+    def as_parts(self, messages: list[dict]) -> list[dict]:
+        """The messages with text content as typed parts, an image part where each
+        sentinel was: the form vision models' chat templates read."""
+        converted = []
+        for message in messages:
+            content = message.get("content")
+            if content is None or isinstance(content, str):
+                parts: list[dict] = []
+                # an earlier request's images (a stored Responses conversation) are
+                # not kept: they read as the placeholder
+                content = EARLIER.sub(self._earlier, content or "")
+                for index, piece in enumerate(content.split(self.sentinel)):
+                    if index:
+                        parts.append({"type": "image"})
+                    if piece:
+                        parts.append({"type": "text", "text": piece})
+                message = {**message, "content": parts or [{"type": "text", "text": ""}]}
+            converted.append(message)
+        return converted
+
+    def _earlier(self, match: re.Match) -> str:
+        return match[0] if match[0] == self.sentinel else EARLIER_IMAGE
+
+    def splice(
+        self, ids: list[int], checkpoints: tuple[int, ...] = ()
+    ) -> tuple[list[int], tuple[int, ...], tuple[PromptImage, ...]]:
+        """(prompt ids with each image's tokens in place of the template's marker for
+        it, the checkpoints moved with them, the images as the engine reads them)."""
+        if not self.images:
+            return ids, checkpoints, ()
+        marker = self.vision.marker_id
+        places = [i for i, token in enumerate(ids) if token == marker]
+        if len(places) != len(self.images):
+            raise bad_request(
+                f"the chat template placed {len(places)} of the request's "
+                f"{len(self.images)} images (images in a turn the template drops?)",
+                "messages",
+            )
+        spans = [self.vision.span(image.pil()) for image in self.images]
+        spliced: list[int] = []
+        images, previous = [], 0
+        for place, image, span in zip(places, self.images, spans, strict=True):
+            spliced.extend(ids[previous:place])
+            images.append(PromptImage(len(spliced), span, image.digest))
+            spliced.extend(span.ids)
+            previous = place + 1
+        spliced.extend(ids[previous:])
+        moved = [
+            c + sum(len(s.ids) - 1 for place, s in zip(places, spans, strict=True) if c > place)
+            for c in checkpoints
+        ]
+        return spliced, tuple(moved), tuple(images)

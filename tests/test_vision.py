@@ -1,0 +1,248 @@
+"""Images reach a vision-language model on every surface, through the same engines as
+text: greedy output equals mlx-vlm's own `generate` for the same images and prompt,
+alone, in a batch beside a text-only request and another image, across migrations
+between the engines, and from a prefix-cache entry of the same image (never of a
+different one). Bad images are a 400 that harms no other request."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MODEL_NAME, make_client, start_scheduler
+from tests.vlm_models import build_idefics3, data_url, png
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory) -> Path:
+    return build_idefics3(tmp_path_factory.mktemp("idefics3"))
+
+
+@pytest.fixture(scope="module")
+def vlm_reference(vlm_dir):
+    """mlx-vlm's own greedy generation: messages (with image parts) -> text."""
+    from mlx_lm.utils import load_tokenizer
+    from mlx_vlm.generate import generate
+    from mlx_vlm.utils import load
+    from PIL import Image
+
+    model, processor = load(str(vlm_dir))
+    tokenizer = load_tokenizer(vlm_dir)
+    stops = {*tokenizer.eos_token_ids, *processor.additional_eos_token_ids}
+
+    def run(images: list[bytes], text: str, max_tokens: int) -> str:
+        content = [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
+        messages = [{"role": "user", "content": content}]
+        prompt = processor.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        pil = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+        result = generate(
+            model,
+            processor,
+            prompt,
+            image=pil or None,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            verbose=False,
+        )
+        # as the server's detokenizer writes those tokens (mlx-vlm's own text drops
+        # incomplete byte sequences that a random model emits)
+        detokenizer = tokenizer.detokenizer
+        for token in result.token_ids:
+            if token not in stops:
+                detokenizer.add_token(token)
+        detokenizer.finalize()
+        return detokenizer.text
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def vlm_scheduler(vlm_dir):
+    scheduler = start_scheduler(vlm_dir)
+    yield scheduler
+    scheduler.stop()
+
+
+def chat_body(images: list[bytes], text: str = PROMPT, max_tokens: int = 12) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images]
+    content = [*parts, {"type": "text", "text": text}]
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+
+
+def answer(response) -> str:
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+async def test_an_image_reaches_the_model_as_mlx_vlm_reads_it(vlm_scheduler, vlm_reference):
+    async with make_client(vlm_scheduler) as client:
+        first = answer(await client.post("/v1/chat/completions", json=chat_body([png(1)])))
+        other = answer(await client.post("/v1/chat/completions", json=chat_body([png(2)])))
+        models = (await client.get("/v1/models")).json()["data"][0]
+    assert first == vlm_reference([png(1)], PROMPT, 12)
+    assert other == vlm_reference([png(2)], PROMPT, 12)
+    assert first != other  # the pixels, not just the tokens, reach the model
+    assert models["capabilities"]["vision"] is True
+
+
+async def test_images_batched_beside_text_and_each_other(vlm_dir, vlm_reference):
+    scheduler = start_scheduler(vlm_dir, prefix_cache_entries=0)
+    try:
+        async with make_client(scheduler) as client:
+            bodies = [chat_body([png(3)], max_tokens=16), chat_body([png(4)], max_tokens=16)]
+            bodies.append(chat_body([], "The little dog", max_tokens=16))
+            bodies.append(chat_body([png(5), png(6)], "Two pictures", max_tokens=16))
+            replies = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=body) for body in bodies)
+            )
+        assert scheduler.batched_engine is not None  # they ran as a batch
+    finally:
+        scheduler.stop()
+    texts = [answer(r) for r in replies]
+    assert texts[0] == vlm_reference([png(3)], PROMPT, 16)
+    assert texts[1] == vlm_reference([png(4)], PROMPT, 16)
+    assert texts[2] == vlm_reference([], "The little dog", 16)
+    assert texts[3] == vlm_reference([png(5), png(6)], "Two pictures", 16)
+
+
+async def test_migration_both_ways_keeps_an_image_request_exact(vlm_dir, vlm_reference):
+    """A long image request starts alone (single-stream engine), moves into the batch
+    when a second request comes, and back out when that one is done."""
+    scheduler = start_scheduler(vlm_dir, batch_return_steps=2)
+    try:
+        async with make_client(scheduler) as client:
+            long = asyncio.create_task(
+                client.post("/v1/chat/completions", json=chat_body([png(7)], max_tokens=1500))
+            )
+            while scheduler.registry.tokens_processed < 200:  # decoding alone by now
+                await asyncio.sleep(0.01)
+            short = await client.post(
+                "/v1/chat/completions", json=chat_body([png(8)], "Hi", max_tokens=4)
+            )
+            reply = await long
+        moves = dict(scheduler.counters.mode_switches)
+    finally:
+        scheduler.stop()
+    assert reply.json()["usage"]["completion_tokens"] > 400  # it outlived the short one
+    assert answer(reply) == vlm_reference([png(7)], PROMPT, 1500)
+    assert answer(short) == vlm_reference([png(8)], "Hi", 4)
+    assert moves.get(("speculative", "batched"), 0) >= 1  # into the batch
+    assert moves.get(("batched", "speculative"), 0) >= 1  # and back out
+
+
+async def test_prefix_cache_serves_the_same_image_never_another(vlm_dir, vlm_reference):
+    scheduler = start_scheduler(vlm_dir)
+    try:
+        async with make_client(scheduler) as client:
+            first = await client.post("/v1/chat/completions", json=chat_body([png(9)]))
+            again = await client.post("/v1/chat/completions", json=chat_body([png(9)]))
+            other = await client.post("/v1/chat/completions", json=chat_body([png(10)]))
+    finally:
+        scheduler.stop()
+    cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (again, other)]
+    prompt_tokens = again.json()["usage"]["prompt_tokens"]
+    assert cached[0] >= prompt_tokens - 2  # everything but the newest tokens
+    assert cached[1] <= 4  # BOS and the role marker: the image is not reused
+    assert answer(first) == answer(again) == vlm_reference([png(9)], PROMPT, 12)
+    assert answer(other) == vlm_reference([png(10)], PROMPT, 12)
+
+
+async def test_anthropic_and_responses_surfaces_carry_images(vlm_scheduler, vlm_reference):
+    image = png(11)
+    anthropic_body = {
+        "model": MODEL_NAME,
+        "max_tokens": 12,
+        "temperature": 0,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image",
+                        "source": {
+                            "type": "base64",
+                            "media_type": "image/png",
+                            "data": base64.b64encode(image).decode(),
+                        },
+                    },
+                    {"type": "text", "text": PROMPT},
+                ],
+            }
+        ],
+    }
+    responses_body = {
+        "max_output_tokens": 12,
+        "temperature": 0,
+        "input": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": data_url(image)},
+                    {"type": "input_text", "text": PROMPT},
+                ],
+            }
+        ],
+    }
+    async with make_client(vlm_scheduler) as client:
+        message = await client.post("/v1/messages", json=anthropic_body)
+        counted = await client.post("/v1/messages/count_tokens", json=anthropic_body)
+        response = await client.post("/v1/responses", json=responses_body)
+    expected = vlm_reference([image], PROMPT, 12)
+    assert message.status_code == 200, message.text
+    assert message.json()["content"][0]["text"] == expected
+    assert counted.json()["input_tokens"] == message.json()["usage"]["input_tokens"]
+    assert response.status_code == 200, response.text
+    assert response.json()["output"][0]["content"][0]["text"] == expected
+
+
+def truncated_png() -> bytes:
+    data = png(12)
+    return data[: len(data) // 2]
+
+
+@pytest.mark.parametrize(
+    "url, names",
+    [
+        (data_url(truncated_png()), "decoded"),
+        (data_url(png(13, (1, 1))), "1x1"),
+        (data_url(png(14), "image/jpeg"), "image/png"),
+        ("https://example.com/cat.png", "--allow-image-urls"),
+    ],
+    ids=["truncated", "1x1", "wrong-media-type", "url-when-off"],
+)
+async def test_bad_images_are_a_400_and_harm_no_one(vlm_scheduler, vlm_reference, url, names):
+    bad = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": PROMPT},
+                ],
+            }
+        ],
+        "max_tokens": 4,
+    }
+    async with make_client(vlm_scheduler) as client:
+        good = asyncio.create_task(
+            client.post("/v1/chat/completions", json=chat_body([png(15)], max_tokens=12))
+        )
+        refused = await client.post("/v1/chat/completions", json=bad)
+        served = await good
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert names in error["message"]
+    assert error["param"].startswith("messages[0].content[0]")
+    assert answer(served) == vlm_reference([png(15)], PROMPT, 12)

@@ -21,6 +21,8 @@ import secrets
 from typing import Any
 
 import anyio.from_thread
+from starlette.requests import Request
+from starlette.responses import Response
 
 from engines.request import PromptImage
 from server.errors import bad_request
@@ -143,3 +145,22 @@ class PromptImages:
             for c in checkpoints
         ]
         return spliced, tuple(moved), tuple(images)
+
+
+OMITTED_HEADER = "x-tandem-images-omitted"
+
+
+def report_omitted(request: Request, images: PromptImages, surface: str) -> None:
+    """Count the images a text-only model was sent, and keep the count for the reply's
+    `x-tandem-images-omitted` header (`with_omitted_header`): the model read a
+    placeholder, and the client can tell."""
+    request.state.images_omitted = images.omitted
+    if images.omitted:
+        request.app.state.metrics.count_omitted_images(surface, images.omitted)
+
+
+def with_omitted_header(request: Request, response: Response) -> Response:
+    count = getattr(request.state, "images_omitted", 0)
+    if count:
+        response.headers[OMITTED_HEADER] = str(count)
+    return response

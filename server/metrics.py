@@ -212,6 +212,11 @@ class Metrics:
             "Tandem cannot run and did not offer the model, by API surface and kind.",
             ("surface", "kind"),
         )
+        self.images_omitted = counter(
+            "tandem_images_omitted",
+            "Images sent to a model that reads text only (it reads a placeholder), by API surface.",
+            ("surface",),
+        )
         # Pre-create the bounded label sets so they export zeros from the start.
         m = self.model_name
         for reason in FINISH_REASONS:
@@ -221,6 +226,8 @@ class Metrics:
             self.method_accepted.labels(m, method)
         for gate in GATES:
             self.gate_trips.labels(m, gate)
+        for surface in ("chat", "messages", "responses"):
+            self.images_omitted.labels(m, surface)
         for surface in SKIPPED_TOOL_SURFACES:
             for kind in (*KNOWN_KINDS, "other"):
                 self.skipped_tools.labels(m, surface, kind)
@@ -308,6 +315,9 @@ class Metrics:
         self.skipped_tools.labels(self.model_name, surface, kind).inc()
         key = f"{surface}:{kind}"
         self.skipped_tool_counts[key] = self.skipped_tool_counts.get(key, 0) + 1
+
+    def count_omitted_images(self, surface: str, count: int) -> None:
+        self.images_omitted.labels(self.model_name, surface).inc(count)
 
     def count_disconnect(self) -> None:
         self.client_disconnects.labels(self.model_name).inc()

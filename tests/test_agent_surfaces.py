@@ -287,6 +287,7 @@ async def test_images_and_documents_read_as_a_placeholder_in_turns_and_tool_resu
     assert shown.status_code == 200, shown.text
     assert shown.json() == written.json()
     assert served.status_code == 200, served.text
+    assert served.headers["x-tandem-images-omitted"] == "1"
 
 
 def test_late_system_turns_fold_into_a_user_turn_for_templates_that_refuse_them():
@@ -618,8 +619,13 @@ async def test_chat_images_read_as_a_placeholder(scheduler):
     async with make_client(scheduler) as http:
         shown = await http.post(CHAT, json=chat_with(image))
         written = await http.post(CHAT, json=chat_with(text))
+        metrics = (await http.get("/metrics")).text
     assert shown.status_code == 200, shown.text
     assert shown.json()["usage"]["prompt_tokens"] == written.json()["usage"]["prompt_tokens"]
+    # the client can tell the model read a placeholder, and so can the operator
+    assert shown.headers["x-tandem-images-omitted"] == "1"
+    assert "x-tandem-images-omitted" not in written.headers
+    assert 'tandem_images_omitted_total{model_name="tiny",surface="chat"} 1.0' in metrics
 
 
 async def test_a_forced_custom_tool_with_a_regex_grammar_writes_a_matching_input(scheduler):

@@ -62,6 +62,7 @@ EXPORTED_METRICS = frozenset(
         "tandem_request_errors_total",
         "tandem_client_disconnects_total",
         "tandem_server_tools_not_offered_total",
+        "tandem_images_omitted_total",
         "tandem_kv_preemptions_total",
         "tandem_suffix_index",
         "tandem_suffix_evicted_sequences_total",

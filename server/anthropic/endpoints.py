@@ -45,7 +45,7 @@ from server.http import (
     parse_body,
     submit,
 )
-from server.image_prompts import PromptImages
+from server.image_prompts import PromptImages, report_omitted, with_omitted_header
 from server.keepalive import Quiet
 from server.output_parser import OutputParser
 from server.server_tools import note_skipped_tools
@@ -191,6 +191,7 @@ def to_job(request: Request, body: MessagesRequest, model: str) -> MessageJob:
     config = config_of(request)
     images = PromptImages(info.vision, config.image_limits)
     take_images(body, images)
+    report_omitted(request, images, "messages")
     rendered = render_prompt(info.tokenizer, body, tools, think, info.prompt_checkpoints, images)
     ids, positions, prompt_images = images.splice(rendered.ids, rendered.checkpoints)
     caching = config.scheduler.prefix_cache_entries > 0
@@ -234,11 +235,11 @@ async def create_message(request: Request) -> Response:
     )
     if body.stream:
         events = message_events(job, parser, heartbeat_events(request, stream))
-        return event_stream(request, events, keepalive=False)
+        return with_omitted_header(request, event_stream(request, events, keepalive=False))
     events = await collect_unless_disconnected(request, stream)
     if events is None:
         return Response(status_code=499)
-    return JSONResponse(message_json(job, parser, events))
+    return with_omitted_header(request, JSONResponse(message_json(job, parser, events)))
 
 
 def keepalive_events(started: bool) -> list[dict]:

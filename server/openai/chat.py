@@ -32,7 +32,7 @@ from server.http import (
     parse_body,
     submit,
 )
-from server.image_prompts import PromptImages
+from server.image_prompts import PromptImages, report_omitted, with_omitted_header
 from server.json_body import PiecewiseJSONResponse
 from server.openai.logprobs import chat_logprobs, merge
 from server.openai.schemas import ChatCompletionRequest, ChatMessage, TextPart
@@ -150,6 +150,7 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
     markers = output_markers(request)
     images = PromptImages(info.vision, config.image_limits)
     take_images(body.messages, images)
+    report_omitted(request, images, "chat")
     rendered = render_chat(
         info.tokenizer,
         normalize_messages(body.messages),
@@ -272,11 +273,12 @@ async def create_chat_completion(request: Request) -> Response:
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = chat_chunks(job, parser, events_until_done(request, stream), include_usage)
-        return event_stream(request, chunks)
+        return with_omitted_header(request, event_stream(request, chunks))
     events = await collect_unless_disconnected(request, stream)
     if events is None:
         return Response(status_code=499)
-    return await off_the_loop(chat_response, job, parser, events)
+    response = await off_the_loop(chat_response, job, parser, events)
+    return with_omitted_header(request, response)
 
 
 def chat_response(

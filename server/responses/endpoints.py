@@ -44,7 +44,7 @@ from server.http import (
     parse_body,
     submit,
 )
-from server.image_prompts import PromptImages
+from server.image_prompts import PromptImages, report_omitted, with_omitted_header
 from server.json_body import PiecewiseJSONResponse
 from server.keepalive import Quiet
 from server.output_parser import OutputParser
@@ -200,6 +200,7 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
     sealer = sealer_of(request)
     images = PromptImages(info.vision, config.image_limits)
     take_images(body, images)
+    report_omitted(request, images, "responses")
     conversation += normalize_input(body.input, opener=partial(sealer.open, scope))
     if not conversation:
         raise bad_request("input has no message to answer", "input")
@@ -279,11 +280,12 @@ async def create_response(request: Request) -> Response:
     store = store_of(request)
     if body.stream:
         events = response_events(job, parser, heartbeat_events(request, stream), store)
-        return event_stream(request, events, keepalive=False)
+        return with_omitted_header(request, event_stream(request, events, keepalive=False))
     collected = await collect_unless_disconnected(request, stream)
     if collected is None:
         return Response(status_code=499)
-    return await off_the_loop(finished_response, job, parser, collected, store)
+    response = await off_the_loop(finished_response, job, parser, collected, store)
+    return with_omitted_header(request, response)
 
 
 def finished_response(

@@ -91,10 +91,12 @@ async def test_an_image_reaches_the_model_as_mlx_vlm_reads_it(vlm_scheduler, vlm
         first = answer(await client.post("/v1/chat/completions", json=chat_body([png(1)])))
         other = answer(await client.post("/v1/chat/completions", json=chat_body([png(2)])))
         models = (await client.get("/v1/models")).json()["data"][0]
+        page = (await client.get("/ui/status")).json()
     assert first == vlm_reference([png(1)], PROMPT, 12)
     assert other == vlm_reference([png(2)], PROMPT, 12)
     assert first != other  # the pixels, not just the tokens, reach the model
     assert models["capabilities"]["vision"] is True
+    assert page["vision"] is True  # the web page says so
 
 
 async def test_images_batched_beside_text_and_each_other(vlm_dir, vlm_reference):
@@ -246,3 +248,103 @@ async def test_bad_images_are_a_400_and_harm_no_one(vlm_scheduler, vlm_reference
     assert names in error["message"]
     assert error["param"].startswith("messages[0].content[0]")
     assert answer(served) == vlm_reference([png(15)], PROMPT, 12)
+
+
+def test_the_sdks_send_images_that_reach_the_model(vlm_scheduler, vlm_reference):
+    """The OpenAI SDK with a data URL and the Anthropic SDK with a base64 screenshot,
+    over a real socket: each reply is what mlx-vlm writes for that image."""
+    import anthropic
+    import openai
+
+    from tests.live_server import live_server
+
+    image = png(16)
+    with live_server(vlm_scheduler) as url:
+        chat = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        completion = chat.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": data_url(image)}},
+                        {"type": "text", "text": PROMPT},
+                    ],
+                }
+            ],
+            max_tokens=12,
+            temperature=0,
+        )
+        messages = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+        message = messages.messages.create(
+            model=MODEL_NAME,
+            max_tokens=12,
+            extra_body={"temperature": 0},  # this SDK version no longer takes it
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {
+                                "type": "base64",
+                                "media_type": "image/png",
+                                "data": base64.b64encode(image).decode(),
+                            },
+                        },
+                        {"type": "text", "text": PROMPT},
+                    ],
+                }
+            ],
+        )
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            messages.messages.create(
+                model=MODEL_NAME,
+                max_tokens=4,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "image/jpeg",
+                                    "data": base64.b64encode(image).decode(),
+                                },
+                            }
+                        ],
+                    }
+                ],
+            )
+    expected = vlm_reference([image], PROMPT, 12)
+    assert completion.choices[0].message.content == expected
+    assert message.content[0].text == expected
+    assert "image/png" in str(refused.value)  # the SDK shows what was wrong
+
+
+async def test_a_draft_model_speculates_after_an_image_exactly(vlm_dir, vlm_reference, tmp_path):
+    """Drafting (a text draft model, prompt lookup) runs on an image request's output
+    alone and in the batch; greedy output stays mlx-vlm's."""
+    from tests.vlm_models import build_text_draft
+
+    draft = build_text_draft(vlm_dir, tmp_path / "draft")
+    scheduler = start_scheduler(vlm_dir, draft_model=str(draft), prefix_cache_entries=0)
+    try:
+        async with make_client(scheduler) as client:
+            alone = await client.post(
+                "/v1/chat/completions", json=chat_body([png(17)], max_tokens=40)
+            )
+            together = await asyncio.gather(
+                client.post("/v1/chat/completions", json=chat_body([png(18)], max_tokens=40)),
+                client.post("/v1/chat/completions", json=chat_body([png(19)], max_tokens=40)),
+            )
+    finally:
+        scheduler.stop()
+    assert answer(alone) == vlm_reference([png(17)], PROMPT, 40)
+    assert [answer(r) for r in together] == [
+        vlm_reference([png(18)], PROMPT, 40),
+        vlm_reference([png(19)], PROMPT, 40),
+    ]
+    drafted = [r.json()["speculation"]["draft_tokens"] for r in (alone, *together)]
+    assert all(count > 0 for count in drafted), drafted

@@ -107,3 +107,29 @@ def png(seed: int, size: tuple[int, int] = (40, 50)) -> bytes:
 
 def data_url(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def build_text_draft(vlm_dir: Path, out: Path, noise: float = 0.02, seed: int = 1) -> Path:
+    """A text-only mlx-lm Llama over the same tokenizer, for `--draft-model`: the VLM's
+    language half with its weights perturbed, so its drafts are partly accepted."""
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((vlm_dir / "config.json").read_text())
+    text = {**config["text_config"], "model_type": "llama", "tie_word_embeddings": False}
+    text["eos_token_id"] = config["eos_token_id"]
+    (out / "config.json").write_text(json.dumps(text))
+    for name in vlm_dir.iterdir():
+        if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(name, out / name.name)
+    weights = mx.load(str(vlm_dir / "model.safetensors"))
+    mx.random.seed(seed)
+    draft = {}
+    for name, value in weights.items():
+        if not name.startswith("language_model."):
+            continue
+        name = name.removeprefix("language_model.")
+        name = name if name.startswith("lm_head") else f"model.{name}"
+        draft[name] = value + noise * mx.random.normal(value.shape)
+    mx.save_safetensors(str(out / "model.safetensors"), draft)
+    return out

@@ -95,6 +95,8 @@ def status(request: Request, device: str) -> dict:
     return {
         "time": time.time(),
         "model": config.served_model_name,
+        # whether images reach the model (a vision-language model), None while loading
+        "vision": None if scheduler.model_info is None else scheduler.model_info.vision is not None,
         "state": "draining" if scheduler.draining else scheduler.state.value,
         "device": device,
         "blas": metrics.blas,

@@ -132,6 +132,7 @@
 
   function renderHeader(s) {
     $("model-name").textContent = s.model;
+    $("vision").classList.toggle("hidden", !s.vision);
     document.title = `${s.model} · Tandem`;
     const state = $("state");
     state.textContent = s.state;

@@ -33,6 +33,7 @@ class RequestRecord:
     speculation: SpecStats = field(default_factory=SpecStats)
     error: str | None = None
     scope: str = ""  # the API key's id (engines.request cache_scope); never the key
+    images: int = 0  # images in the prompt (a vision-language model's)
 
     @property
     def tokens_per_second(self) -> float:
@@ -48,6 +49,7 @@ class RequestRecord:
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
+            "images": self.images,
             "completion_tokens": self.completion_tokens,
             "queue_s": _round(self.queue_s),
             "ttft_s": _round(self.ttft_s),
@@ -74,7 +76,7 @@ def log_request(record: RequestRecord) -> None:
     )
     log.info(
         "request %s %s: surface=%s prompt_tokens=%d cached=%d completion_tokens=%d "
-        "ttft=%.3fs tok/s=%.1f modes=%s accepted/drafted: %s%s",
+        "ttft=%.3fs tok/s=%.1f modes=%s accepted/drafted: %s%s%s",
         record.request_id,
         record.finish_reason,
         record.surface or "-",
@@ -85,6 +87,7 @@ def log_request(record: RequestRecord) -> None:
         record.tokens_per_second,
         "+".join(record.modes) or "-",
         methods or "none",
+        f" images={record.images}" if record.images else "",
         f" error={record.error!r}" if record.error else "",
         extra={"request": record.as_dict()},
     )

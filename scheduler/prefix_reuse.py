@@ -30,8 +30,17 @@ class PrefixReuse:
 
     def start(self, seq: Sequence, model) -> SequenceState:
         """The sequence with the cache of its prompt's longest cached prefix."""
-        prompt, scope = list(seq.request.prompt_tokens), seq.request.prefix_scope
+        request = seq.request
+        prompt, scope = list(request.prompt_tokens), request.prefix_scope
         hit = self.cache.lookup(prompt, scope) if self.cache is not None else None
+        first = request.images[0].start if request.images else 0
+        if self.cache is not None and first and (hit is None or hit.cached < first):
+            # The text before a prompt's first image is text like any of its key's
+            # prompts: their entries serve it (an agent's first screenshot comes after
+            # a long conversation that was cached without images).
+            text = self.cache.lookup(prompt[: first + 1], request.cache_scope)
+            if text is not None and (hit is None or text.cached > hit.cached):
+                hit = text
         if hit is None:
             return SequenceState(seq, make_prompt_cache(model), 0)
         return SequenceState.entry(seq, hit.cache, hit.cached, hit.draft)

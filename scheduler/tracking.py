@@ -131,5 +131,6 @@ def final_event(
         speculation=tracked.seq.spec if tracked.seq else SpecStats(),
         error=error,
         scope=tracked.request.cache_scope,
+        images=len(tracked.request.images),
     )
     return event, record

@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from tests.agent_clients.agent_model import build_agent_model
-from tests.agent_clients.scripts import ANSWER, CALC, DIV
+from tests.agent_clients.scripts import ANSWER, CALC, DIV, SEEN
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -218,8 +218,9 @@ def codex_command() -> list[str]:
     ]
 
 
-def claude_command() -> list[str]:
-    prompt = "Add a function div(a, b) to calc.py. FORCE:agent-claude"
+def claude_command(
+    prompt: str = "Add a function div(a, b) to calc.py. FORCE:agent-claude",
+) -> list[str]:
     return [
         str(node_client("claude")),
         "-p",
@@ -254,6 +255,39 @@ def test_claude_code_edits_a_file(tandem, workdir):
     turns = tandem.request_lines("messages", since)
     assert len(turns) == 3, report
     assert all(cached_tokens(line) > 10000 for line in turns[1:]), turns
+
+
+@pytest.fixture(scope="module")
+def vision_tandem(tmp_path_factory, workdir):
+    """The agent server with a vision-language model of the agent model's size."""
+    from tests.agent_clients.agent_model import build_agent_vision_model
+
+    model_dir = build_agent_vision_model(tmp_path_factory.mktemp("models") / "agent-vision")
+    command = [sys.executable, "-m", "tests.agent_server", str(workdir), "--seconds", "3000"]
+    command += ["--", str(model_dir), "--served-model-name", MODEL]
+    server = TandemProcess(command, workdir / "tandem-vision.log")
+    yield server
+    server.stop()
+
+
+def test_claude_code_reads_a_screenshot_that_reaches_the_model(vision_tandem, workdir):
+    """Claude Code's Read tool returns a PNG as an image block in its tool result; with a
+    vision model served, the image's tokens are in the next request's prompt."""
+    from tests.vlm_models import png
+
+    folder = workdir / "claude-image"
+    folder.mkdir()
+    (folder / "shot.png").write_bytes(png(20, (64, 96)))
+    env = claude_env(workdir / "claude-image-home", vision_tandem.url)
+    command = claude_command("Describe shot.png. FORCE:agent-claude-image")
+    result = run_client(command, folder, env)
+    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\n{vision_tandem.log_text()}"
+    assert result.returncode == 0, report
+    assert SEEN in result.stdout, report
+    turns = vision_tandem.request_lines("messages", 0)
+    assert len(turns) == 2, report
+    assert "images=" not in turns[0] and " images=1" in turns[1], turns
+    assert cached_tokens(turns[1]) > 10000, turns  # the conversation before the image
 
 
 def test_claude_code_recognises_a_prompt_too_long_for_the_context(tiny_model_dir, workdir):

@@ -36,8 +36,10 @@ def vlm_reference(vlm_dir):
     tokenizer = load_tokenizer(vlm_dir)
     stops = {*tokenizer.eos_token_ids, *processor.additional_eos_token_ids}
 
-    def run(images: list[bytes], text: str, max_tokens: int) -> str:
+    def run(images: list[bytes], text: str, max_tokens: int, before: str = "") -> str:
         content = [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
+        if before:  # text ahead of the images
+            content.insert(0, {"type": "text", "text": before})
         messages = [{"role": "user", "content": content}]
         prompt = processor.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
@@ -159,6 +161,27 @@ async def test_prefix_cache_serves_the_same_image_never_another(vlm_dir, vlm_ref
     assert cached[1] <= 4  # BOS and the role marker: the image is not reused
     assert answer(first) == answer(again) == vlm_reference([png(9)], PROMPT, 12)
     assert answer(other) == vlm_reference([png(10)], PROMPT, 12)
+
+
+async def test_a_first_image_after_a_text_conversation_reuses_the_text(vlm_dir, vlm_reference):
+    """An agent's conversation was cached without images; its next turn adds a
+    screenshot: the text before the image is served from the text-only entry."""
+    scheduler = start_scheduler(vlm_dir)
+    history = "The little dog ran to the park and played with a red ball all day. " * 4
+    try:
+        async with make_client(scheduler) as client:
+            text_only = chat_body([], history, max_tokens=8)
+            await client.post("/v1/chat/completions", json=text_only)
+            body = chat_body([png(21)], max_tokens=8)
+            content = [{"type": "text", "text": history}, *body["messages"][0]["content"]]
+            body["messages"][0]["content"] = content
+            reply = await client.post("/v1/chat/completions", json=body)
+    finally:
+        scheduler.stop()
+    usage = reply.json()["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert 40 < cached < usage["prompt_tokens"] - 5  # the history's tokens, up to the image
+    assert answer(reply) == vlm_reference([png(21)], PROMPT, 8, before=history)
 
 
 async def test_anthropic_and_responses_surfaces_carry_images(vlm_scheduler, vlm_reference):

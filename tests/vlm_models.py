@@ -26,37 +26,49 @@ TEMPLATE = (
 )
 
 
-def build_idefics3(out: Path, seed: int = 0) -> Path:
+TEXT = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
+
+
+def build_idefics3(
+    out: Path,
+    seed: int = 0,
+    tokenizer_dir: Path = SHARED,
+    template: str = TEMPLATE,
+    text: dict | None = None,
+    context: int = 2048,
+    eos_tokens: tuple[str, ...] = (),
+) -> Path:
     """A 2-layer Llama language model, a 1-layer SigLIP-style vision tower, and the
-    connector, with random weights; mlx-vlm loads the folder as it loads SmolVLM."""
+    connector, with random weights; mlx-vlm loads the folder as it loads SmolVLM.
+    `tokenizer_dir`'s tokenizer gains the image tokens; `eos_tokens` end a reply."""
     from mlx_vlm.models import idefics3
     from mlx_vlm.utils import update_module_configs
     from transformers import AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(SHARED))
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
-    tokenizer.chat_template = TEMPLATE
+    tokenizer.chat_template = template
     tokenizer.save_pretrained(str(out))
     vocab = len(tokenizer)
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in eos_tokens] or [tokenizer.eos_token_id]
     config = {
         "model_type": "idefics3",
         "image_token_id": tokenizer.convert_tokens_to_ids("<image>"),
         "scale_factor": 2,
         "vocab_size": vocab,
-        "eos_token_id": [tokenizer.eos_token_id],
-        "max_position_embeddings": 2048,
-        "text_config": {
-            "model_type": "llama",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "num_hidden_layers": 2,
-            "rms_norm_eps": 1e-5,
-            "vocab_size": vocab,
-            "rope_theta": 10000.0,
-        },
+        "eos_token_id": eos,
+        "max_position_embeddings": context,
+        "text_config": {**TEXT, **(text or {}), "vocab_size": vocab},
         "vision_config": {
             "model_type": "idefics3_vision",
             "hidden_size": 32,

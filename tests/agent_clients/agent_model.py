@@ -82,3 +82,39 @@ def build_agent_model(out_dir: str | Path) -> Path:
     write_random_llama(out, len(tokenizer), SPEC, eos_ids)
     marker.write_text(recipe)
     return out
+
+
+# The demo template, reading content as typed parts too (an <image> per image part):
+# a vision model's template is handed parts for every message (server.image_prompts).
+_PARTS = (
+    "{%- macro text(content) -%}{%- if content is string -%}{{ content }}"
+    "{%- else -%}{%- for p in content -%}{%- if p.type == 'image' -%}<image>"
+    "{%- else -%}{{ p.text }}{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}\n"
+)
+VISION_TEMPLATE = _PARTS + CHAT_TEMPLATE.replace("{{ system }}", "{{ text(system) }}").replace(
+    "{{ message.content }}", "{{ text(message.content) }}"
+)
+
+
+def build_agent_vision_model(out_dir: str | Path) -> Path:
+    """The agent model's tokenizer and size as a tiny Idefics3 vision-language model
+    (tests/vlm_models.py), for a coding agent that sends screenshots."""
+    from tests.vlm_models import build_idefics3
+
+    out = Path(out_dir)
+    text_dir = build_agent_model(out / "text")
+    size = {
+        "hidden_size": SPEC.hidden_size,
+        "intermediate_size": SPEC.intermediate_size,
+        "num_attention_heads": SPEC.num_attention_heads,
+        "num_key_value_heads": SPEC.num_key_value_heads,
+        "num_hidden_layers": SPEC.num_hidden_layers,
+    }
+    return build_idefics3(
+        out / "vision",
+        tokenizer_dir=text_dir,
+        template=VISION_TEMPLATE,
+        text=size,
+        context=SPEC.max_position_embeddings,
+        eos_tokens=(EOS_TOKEN, "<|im_end|>"),
+    )

@@ -21,6 +21,7 @@ CALC = "def add(a, b):\n    return a + b\n"
 DIV = "\n\ndef div(a, b):\n    return a / b\n"
 APPEND_DIV = "printf '\\n\\ndef div(a, b):\\n    return a / b\\n' >> calc.py"
 ANSWER = "Added div(a, b) to calc.py."
+SEEN = "The screenshot is coloured noise."
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 # Reasoning before the first call: the client must carry it back (Claude Code a thinking
 # block with its signature, Codex a reasoning item with encrypted_content).
@@ -45,6 +46,11 @@ def client_scripts(workdir: str) -> dict[str, list[str]]:
                 {"file_path": claude_calc, "old_string": CALC, "new_string": CALC + DIV},
             ),
             ANSWER,
+        ],
+        # Claude Code reads a screenshot: its Read tool returns the image in the result.
+        "claude-image": [
+            tool_call("Read", {"file_path": f"{workdir}/claude-image/shot.png"}),
+            SEEN,
         ],
         "codex": [THINK + tool_call("exec_command", {"cmd": APPEND_DIV}), ANSWER],
         "mini": [

@@ -12,6 +12,7 @@ tandem bench device [--dry-run] the prepared GPU check vs mlx_lm.server (bench/d
 tandem bench agent [--short]    recorded agent sessions vs mlx_lm.server at 1, 2, 4 sessions
 tandem bench prefill-sharing MODEL  a stream's gaps while a long prompt prefills (issue 42)
 tandem bench outside [--model M]  guidellm against tandem serve and mlx_lm.server (issue 55)
+tandem bench vision [MODEL]     image-prompt TTFT, cold and cached, vs mlx_vlm.server
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def main(argv: list[str]) -> None:
         "agent": "bench.agent",
         "prefill-sharing": "bench.prefill_sharing",
         "outside": "bench.outside_harness",
+        "vision": "bench.vision",
     }
     if not argv or argv[0] not in commands:
         print(__doc__)

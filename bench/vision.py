@@ -103,8 +103,10 @@ def first_token_seconds(port: int, body: dict) -> float:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: {"):
-                choices = json.loads(line[6:]).get("choices") or [{}]
-                if choices[0].get("delta", {}).get("content") is not None:
+                choice = (json.loads(line[6:]).get("choices") or [{}])[0]
+                # the first token's text, or the end (a first chunk may carry only the
+                # role, with empty content, before the prompt is even read)
+                if choice.get("delta", {}).get("content") or choice.get("finish_reason"):
                     break
             if line.startswith("data: [DONE]"):
                 break

@@ -8,10 +8,12 @@ placeholder there instead (counted in `omitted`, reported to the client).
 
 Rendering then hands the template typed parts (`as_parts`: the `{"type": "image"}`
 parts vision templates expect, where the sentinels were), the template writes its
-image marker for each, and `splice` puts each image's tokens, as mlx-vlm's processor
-expands them, in place of its marker. The processor runs here, on the request's
-worker thread; the vision tower runs later, on the engine thread, when the prefill
-reaches the image (`engines.prompt_images`).
+image marker for each, `expand_text` replaces each marker with the image's expansion
+as mlx-vlm's processor writes it (tiles, separators, image tokens), the whole prompt
+is tokenized at once as mlx-vlm tokenizes it, and `locate` finds each image's tokens
+in it. The processor runs here, on the request's worker thread; the vision tower runs
+later, on the engine thread, when the prefill reaches the image
+(`engines.prompt_images`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import anyio.from_thread
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engines.model.vision import ImageExpansion, ImageSpan
 from engines.request import PromptImage
 from server.errors import bad_request
 from server.images import (
@@ -61,6 +64,7 @@ class PromptImages:
         self.sentinel = SENTINEL.format(secrets.token_hex(8))
         self.images: list[ImageInput] = []
         self.omitted = 0  # images a text-only model was sent
+        self._expanded: list[ImageExpansion] = []
 
     @property
     def reads_images(self) -> bool:
@@ -116,35 +120,50 @@ class PromptImages:
     def _earlier(self, match: re.Match) -> str:
         return match[0] if match[0] == self.sentinel else EARLIER_IMAGE
 
-    def splice(
-        self, ids: list[int], checkpoints: tuple[int, ...] = ()
-    ) -> tuple[list[int], tuple[int, ...], tuple[PromptImage, ...]]:
-        """(prompt ids with each image's tokens in place of the template's marker for
-        it, the checkpoints moved with them, the images as the engine reads them)."""
+    def expansions(self) -> list[ImageExpansion]:
+        """Each image's marker expansion (the processor runs once per image)."""
+        while len(self._expanded) < len(self.images):
+            image = self.images[len(self._expanded)]
+            self._expanded.append(self.vision.expand(image.pil()))
+        return self._expanded
+
+    def expand_text(self, text: str) -> str:
+        """The template's text with its markers for the request's images, in order,
+        replaced by each image's expansion (tiles, separators, image tokens), as
+        mlx-vlm's processor writes it into a prompt: the whole prompt is then
+        tokenized at once, as mlx-vlm tokenizes it."""
         if not self.images:
-            return ids, checkpoints, ()
-        marker = self.vision.marker_id
-        places = [i for i, token in enumerate(ids) if token == marker]
-        if len(places) != len(self.images):
+            return text
+        pieces = text.split(self.vision.marker)
+        expansions = self.expansions()
+        expanded = [pieces[0]]
+        for index, piece in enumerate(pieces[1:]):
+            marker = expansions[index].text if index < len(expansions) else self.vision.marker
+            expanded += [marker, piece]
+        return "".join(expanded)
+
+    def locate(self, ids: list[int]) -> tuple[PromptImage, ...]:
+        """The request's images in the prompt `ids`: each from its first image token to
+        its last, with its pixel inputs, in order."""
+        if not self.images:
+            return ()
+        token = self.vision.image_token_id
+        positions = [i for i, t in enumerate(ids) if t == token]
+        expected = [e.image_tokens for e in self.expansions()]
+        if len(positions) != sum(expected):
             raise bad_request(
-                f"the chat template placed {len(places)} of the request's "
-                f"{len(self.images)} images (images in a turn the template drops?)",
+                f"the chat template placed {len(positions)} image tokens where the "
+                f"request's {len(self.images)} images need {sum(expected)} (an image in a "
+                "turn the template drops?)",
                 "messages",
             )
-        spans = [self.vision.span(image.pil()) for image in self.images]
-        spliced: list[int] = []
-        images, previous = [], 0
-        for place, image, span in zip(places, self.images, spans, strict=True):
-            spliced.extend(ids[previous:place])
-            images.append(PromptImage(len(spliced), span, image.digest))
-            spliced.extend(span.ids)
-            previous = place + 1
-        spliced.extend(ids[previous:])
-        moved = [
-            c + sum(len(s.ids) - 1 for place, s in zip(places, spans, strict=True) if c > place)
-            for c in checkpoints
-        ]
-        return spliced, tuple(moved), tuple(images)
+        located, used = [], 0
+        for image, expansion in zip(self.images, self.expansions(), strict=True):
+            first, last = positions[used], positions[used + expansion.image_tokens - 1]
+            used += expansion.image_tokens
+            span = ImageSpan(list(ids[first : last + 1]), expansion.inputs)
+            located.append(PromptImage(first, span, image.digest))
+        return tuple(located)
 
 
 OMITTED_HEADER = "x-tandem-images-omitted"

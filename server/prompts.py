@@ -170,12 +170,13 @@ def apply_template(
     messages, tools = messages_for_template(tokenizer, messages, tools)
     if images is not None and images.reads_images:
         messages = images.as_parts(messages)
-    return tokenizer.apply_chat_template(
+    text = tokenizer.apply_chat_template(
         escaper.escape(messages),
         tools=escaper.escape(tools) or None,
         add_generation_prompt=generation_prompt,
         tokenize=False,
     )
+    return images.expand_text(text) if images is not None and images.reads_images else text
 
 
 def fold_late_system_turns(messages: list[dict]) -> list[dict]:

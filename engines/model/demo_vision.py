@@ -113,3 +113,94 @@ def build_idefics3(
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     return out
+
+
+GEMMA_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+# Gemma-3's template, shortened: turns, and a <start_of_image> per image part.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>"
+    "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<start_of_image>"
+    "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def build_gemma3(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A 2-layer Gemma-3 language model (one sliding-window layer, one global), a
+    1-layer SigLIP vision tower at 32x32 pixels and the pooling projector (4 image
+    tokens per image), with random weights and Gemma-3's image processor."""
+    from mlx_vlm.models import gemma3
+    from mlx_vlm.utils import update_module_configs
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    added = [*GEMMA_TOKENS.values(), "<start_of_turn>", "<end_of_turn>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": added})
+    tokenizer.chat_template = GEMMA_TEMPLATE
+    tokenizer.save_pretrained(str(out))
+    settings = json.loads((out / "tokenizer_config.json").read_text())
+    settings["extra_special_tokens"] = GEMMA_TOKENS
+    (out / "tokenizer_config.json").write_text(json.dumps(settings))
+    vocab = len(tokenizer)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in GEMMA_TOKENS.items()}
+    text = {
+        "model_type": "gemma3_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "num_hidden_layers": 2,
+        "sliding_window": 16,
+        "sliding_window_pattern": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "mm_tokens_per_image": 4,
+        "max_position_embeddings": 2048,
+    }
+    vision = {**VISION, "model_type": "siglip_vision_model"}
+    config = {
+        "model_type": "gemma3",
+        "hidden_size": 64,
+        "vocab_size": vocab,
+        "image_token_index": ids["image_token"],
+        "boi_token_index": ids["boi_token"],
+        "eoi_token_index": ids["eoi_token"],
+        "pad_token_id": 0,
+        "mm_tokens_per_image": 4,
+        "eos_token_id": [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_turn>")],
+        "max_position_embeddings": 2048,
+        "text_config": text,
+        "vision_config": vision,
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    processor = {
+        "image_processor_type": "Gemma3ImageProcessor",
+        "do_resize": True,
+        "size": {"height": vision["image_size"], "width": vision["image_size"]},
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_pan_and_scan": False,
+        "resample": 2,
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(processor))
+    (out / "processor_config.json").write_text(
+        json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": 4})
+    )
+    mx.random.seed(seed)
+    model_config = gemma3.ModelConfig.from_dict(config)
+    model_config = update_module_configs(model_config, gemma3, dict(config), ["text", "vision"])
+    model = gemma3.Model(model_config)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return out

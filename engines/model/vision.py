@@ -29,57 +29,53 @@ from mlx.utils import tree_flatten
 
 log = logging.getLogger(__name__)
 
-# model_type -> how the language half's parameter names map onto mlx-lm's model
-LLAMA_TEXT = ("idefics3", "smolvlm")
-SUPPORTED = LLAMA_TEXT
-_TEXT_ARGS = (
-    "hidden_size",
-    "num_hidden_layers",
-    "intermediate_size",
-    "num_attention_heads",
-    "rms_norm_eps",
-    "vocab_size",
-    "num_key_value_heads",
-    "rope_theta",
-    "rope_traditional",
-)
-
 
 @dataclass
 class ImageSpan:
-    """One image as prompt tokens: the ids its marker expands to (the processor's
-    tiles, separators and image tokens) and the pixel inputs mlx-vlm's embedding
-    takes (numpy: made off the engine thread, turned into MLX arrays on it)."""
+    """One image in a prompt: its tokens, from its first image token to its last (the
+    separators and tile tokens between them included), and the pixel inputs mlx-vlm's
+    embedding takes (numpy: made off the engine thread, turned into MLX arrays on it)."""
 
     ids: list[int]
+    inputs: dict[str, np.ndarray]
+
+
+@dataclass
+class ImageExpansion:
+    """What the template's marker for one image becomes in the prompt text, as
+    mlx-vlm's processor expands it, with how many image tokens that holds."""
+
+    text: str
+    image_tokens: int
     inputs: dict[str, np.ndarray]
 
 
 class VisionParts:
     """What a loaded vision-language model adds to its language half.
 
-    `span` runs on a server worker thread (the processor: PIL and numpy only);
-    `embed` runs on the engine thread (the vision tower)."""
+    `expand` runs on a server worker thread (the processor: PIL and numpy only);
+    `embed` and `embed_text` run on the engine thread (the vision tower)."""
 
     def __init__(self, model_type: str, vlm: Any, processor: Any) -> None:
         self.model_type = model_type
         self.vlm = vlm  # mlx-vlm's whole model; its language half shares our weights
         self.processor = processor
-        self.marker = processor.image_token  # what a chat template writes per image
-        self.marker_id = int(processor.tokenizer.convert_tokens_to_ids(self.marker))
+        # what a chat template writes per image: Gemma-3's begin-of-image token, else
+        # the image token itself (Idefics3's <image>)
+        self.marker = getattr(processor, "boi_token", None) or processor.image_token
         self.image_token_id = int(vlm.config.image_token_index)
 
-    def span(self, image: Any) -> ImageSpan:
-        """The tokens and pixel inputs of one PIL image, as mlx-vlm's processor makes
-        them for a prompt holding just its marker."""
+    def expand(self, image: Any) -> ImageExpansion:
+        """The marker's expansion for one PIL image, and its pixel inputs."""
         out = self.processor(text=[self.marker], images=[image])
         ids = [int(i) for i in np.array(out["input_ids"])[0]]
-        bos = getattr(self.processor.tokenizer, "bos_token_id", None)
-        if ids and bos is not None and ids[0] == bos:
+        tokenizer = self.processor.tokenizer
+        if ids and ids[0] == getattr(tokenizer, "bos_token_id", None):
             ids = ids[1:]  # the prompt around it has its own
-        keep = ("input_ids", "attention_mask")
+        text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        keep = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
         inputs = {k: np.array(v) for k, v in out.items() if k not in keep and v is not None}
-        return ImageSpan(ids, inputs)
+        return ImageExpansion(text, ids.count(self.image_token_id), inputs)
 
     def embed_text(self, ids: list[int]) -> mx.array:
         """Text tokens' input embeddings (n, hidden), as mlx-vlm makes them."""
@@ -94,6 +90,38 @@ class VisionParts:
         pixels = inputs.pop("pixel_values")
         features = self.vlm.get_input_embeddings(ids, pixels, **inputs)
         return features.inputs_embeds[0]
+
+
+def llama_text(vlm: Any) -> tuple[nn.Module, list]:
+    """Idefics3's and SmolVLM's language half as mlx-lm's Llama."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs.from_dict({**vars(vlm.config.text_config), "model_type": "llama"})
+    args.tie_word_embeddings = False  # mlx-vlm's model keeps its own lm_head
+    weights = [
+        (name if name.startswith("lm_head") else f"model.{name}", value)
+        for name, value in tree_flatten(vlm.language_model.parameters())
+    ]
+    return llama.Model(args), weights
+
+
+def gemma3_text(vlm: Any) -> tuple[nn.Module, list]:
+    """Gemma-3's language half as mlx-lm's Gemma-3 (causal, as mlx-vlm runs it)."""
+    from mlx_lm.models import gemma3
+
+    text = vars(vlm.config.text_config)
+    text = {**text, "rope_theta": text.get("rope_global_base_freq", 1_000_000.0)}
+    args = gemma3.ModelArgs(model_type="gemma3", text_config=text, vocab_size=text["vocab_size"])
+    weights = [
+        (f"language_model.{name}", value)
+        for name, value in tree_flatten(vlm.language_model.parameters())
+    ]
+    return gemma3.Model(args), weights
+
+
+# model_type -> its language half as an mlx-lm model over mlx-vlm's weights
+TEXT_MODELS = {"idefics3": llama_text, "smolvlm": llama_text, "gemma3": gemma3_text}
+SUPPORTED = tuple(TEXT_MODELS)
 
 
 def is_vision_config(config: dict) -> bool:
@@ -119,7 +147,6 @@ def vision_support(config: dict) -> str | None:
 def load_vision_model(folder: str, config: dict) -> tuple[Any, Any, VisionParts]:
     """(language model as mlx-lm's, mlx-lm's tokenizer, `VisionParts`) of a supported
     vision checkpoint in `folder`."""
-    from mlx_lm.models import llama
     from mlx_lm.utils import load_tokenizer
     from mlx_vlm.utils import load_model as load_vlm
     from mlx_vlm.utils import load_processor
@@ -127,13 +154,7 @@ def load_vision_model(folder: str, config: dict) -> tuple[Any, Any, VisionParts]
     path = Path(folder)
     vlm = load_vlm(path)
     processor = load_processor(path, add_detokenizer=False)
-    text = vlm.config.text_config
-    args = {name: getattr(text, name) for name in _TEXT_ARGS}
-    model = llama.Model(llama.ModelArgs(model_type="llama", tie_word_embeddings=False, **args))
-    weights = [
-        (name if name.startswith("lm_head") else f"model.{name}", value)
-        for name, value in tree_flatten(vlm.language_model.parameters())
-    ]
+    model, weights = TEXT_MODELS[config["model_type"]](vlm)
     if quantization := config.get("quantization"):
         names = {name for name, _ in weights}
         nn.quantize(

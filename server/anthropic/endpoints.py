@@ -193,7 +193,7 @@ def to_job(request: Request, body: MessagesRequest, model: str) -> MessageJob:
     take_images(body, images)
     report_omitted(request, images, "messages")
     rendered = render_prompt(info.tokenizer, body, tools, think, info.prompt_checkpoints, images)
-    ids, positions, prompt_images = images.splice(rendered.ids, rendered.checkpoints)
+    ids, positions, prompt_images = rendered.ids, rendered.checkpoints, images.locate(rendered.ids)
     caching = config.scheduler.prefix_cache_entries > 0
     max_tokens = effective_max_tokens(
         body.max_tokens,
@@ -296,4 +296,5 @@ def counted_tokens(request: Request, body: CountTokensRequest, think) -> int:
     images = PromptImages(info.vision, config_of(request).image_limits)
     take_images(body, images)
     rendered = render_prompt(info.tokenizer, body, template_tools(body), think, images=images)
-    return len(images.splice(rendered.ids)[0])
+    images.locate(rendered.ids)  # the same refusal as /v1/messages gives
+    return len(rendered.ids)

@@ -159,7 +159,11 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
         checkpoint_system=info.prompt_checkpoints,
         images=images,
     )
-    ids, checkpoints, prompt_images = images.splice(rendered.ids, rendered.checkpoints)
+    ids, checkpoints, prompt_images = (
+        rendered.ids,
+        rendered.checkpoints,
+        images.locate(rendered.ids),
+    )
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = effective_max_tokens(
         requested,

@@ -216,7 +216,11 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
         checkpoint_system=info.prompt_checkpoints,
         images=images,
     )
-    ids, checkpoints, prompt_images = images.splice(rendered.ids, rendered.checkpoints)
+    ids, checkpoints, prompt_images = (
+        rendered.ids,
+        rendered.checkpoints,
+        images.locate(rendered.ids),
+    )
     max_tokens = effective_max_tokens(
         body.max_output_tokens,
         len(ids),

@@ -6,10 +6,10 @@ prefix-cache entries (whose scope holds the images' digests) and migration treat
 as text. Only the forward of a chunk reaching an image differs: its rows are the
 text tokens' embeddings, and in an image's rows mlx-vlm's merged embeddings
 (`VisionParts.embed`). The vision tower runs once per image and request, on the
-engine thread, at the first chunk that reaches the image (between steps, like any
-prefill chunk, so decoding rows wait no longer than for a long text prompt); the
-result waits on the request's `Sequence` until the chunk that takes the image's
-last row, then goes.
+engine thread, at the first chunk that reaches an image (between steps, like any
+prefill chunk), for that image and the prompt's later ones together (as mlx-vlm
+batches them: the same rounding); each result waits on the request's `Sequence`
+until the chunk that takes the image's last row, then goes.
 """
 
 from __future__ import annotations
@@ -56,9 +56,12 @@ def row_embeddings(vision: Any, seq: Sequence, start: int, ids: list[int]) -> mx
             continue
         if position < low:
             parts.append(vision.embed_text(ids[position - start : low - start]))
-        features = seq.image_embeddings.get(index)
-        if features is None:
-            features = seq.image_embeddings[index] = vision.embed(image.span)
+        if index not in seq.image_embeddings:
+            # this image and every later one, through the vision tower together
+            later = seq.request.images[index:]
+            embedded = vision.embed([later_image.span for later_image in later])
+            seq.image_embeddings.update(enumerate(embedded, start=index))
+        features = seq.image_embeddings[index]
         parts.append(features[low - image.start : high - image.start])
         if high == image.end:  # its last row is fed: a later chunk never needs it
             del seq.image_embeddings[index]

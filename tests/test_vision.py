@@ -14,18 +14,23 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
-from tests.vlm_models import build_idefics3, data_url, png
+from tests.vlm_models import FAMILIES, build_idefics3, data_url, png
 
 PROMPT = "Once upon a time"
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory) -> Path:
-    return build_idefics3(tmp_path_factory.mktemp("idefics3"))
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def vlm_dir(request, tmp_path_factory) -> Path:
+    """Each family served: Idefics3 (SmolVLM's), Gemma-3 (windowed layers)."""
+    return FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
 def vlm_reference(vlm_dir):
+    return mlx_vlm_reference(vlm_dir)
+
+
+def mlx_vlm_reference(vlm_dir: Path):
     """mlx-vlm's own greedy generation: messages (with image parts) -> text."""
     from mlx_lm.utils import load_tokenizer
     from mlx_vlm.generate import generate
@@ -34,7 +39,7 @@ def vlm_reference(vlm_dir):
 
     model, processor = load(str(vlm_dir))
     tokenizer = load_tokenizer(vlm_dir)
-    stops = {*tokenizer.eos_token_ids, *processor.additional_eos_token_ids}
+    stops = {*tokenizer.eos_token_ids, *getattr(processor, "additional_eos_token_ids", ())}
 
     def run(images: list[bytes], text: str, max_tokens: int, before: str = "") -> str:
         content = [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
@@ -346,11 +351,14 @@ def test_the_sdks_send_images_that_reach_the_model(vlm_scheduler, vlm_reference)
     assert "image/png" in str(refused.value)  # the SDK shows what was wrong
 
 
-async def test_a_draft_model_speculates_after_an_image_exactly(vlm_dir, vlm_reference, tmp_path):
+async def test_a_draft_model_speculates_after_an_image_exactly(tmp_path):
     """Drafting (a text draft model, prompt lookup) runs on an image request's output
-    alone and in the batch; greedy output stays mlx-vlm's."""
+    alone and in the batch; greedy output stays mlx-vlm's. (The draft is Idefics3's
+    Llama language half, perturbed.)"""
     from tests.vlm_models import build_text_draft
 
+    vlm_dir = build_idefics3(tmp_path / "idefics3")
+    vlm_reference = mlx_vlm_reference(vlm_dir)
     draft = build_text_draft(vlm_dir, tmp_path / "draft")
     scheduler = start_scheduler(vlm_dir, draft_model=str(draft), prefix_cache_entries=0)
     try:

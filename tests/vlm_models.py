@@ -12,6 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from engines.model.demo_vision import build_gemma3 as build_gemma
 from engines.model.demo_vision import build_idefics3 as build_vlm
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
@@ -20,6 +21,14 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260
 def build_idefics3(out: Path, **options) -> Path:
     """The tests' tiny Idefics3, over the TinyStories tokenizer unless told otherwise."""
     return build_vlm(out, options.pop("tokenizer_dir", SHARED), **options)
+
+
+def build_gemma3(out: Path) -> Path:
+    """The tests' tiny Gemma-3 (a sliding-window layer and a global one)."""
+    return build_gemma(out, SHARED)
+
+
+FAMILIES = {"idefics3": build_idefics3, "gemma3": build_gemma3}
 
 
 def png(seed: int, size: tuple[int, int] = (40, 50)) -> bytes:

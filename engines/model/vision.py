@@ -10,15 +10,17 @@ own `get_input_embeddings` has put the vision tower's features in the image toke
 rows (`engines.prompt_images`).
 
 Supported: the families whose language model uses plain 1-D positions and a causal
-mask, so the language half is exactly an mlx-lm model -- Idefics3 and SmolVLM
-(Llama). Qwen-VL's 3-D rotary positions and Gemma-3's bidirectional image attention
-are not yet: such checkpoints load text-only through mlx-lm, as before, and say so.
+mask, so the language half is exactly an mlx-lm model -- Idefics3 and SmolVLM (Llama),
+Gemma-3 (mlx-lm's Gemma-3, windowed layers included; mlx-vlm runs it causally too).
+Qwen-VL's 3-D rotary positions are not yet: such checkpoints load text-only through
+mlx-lm, as before, and say so.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -82,14 +84,25 @@ class VisionParts:
         tokens = mx.array(ids, dtype=mx.int32)[None]
         return self.vlm.get_input_embeddings(tokens, None).inputs_embeds[0]
 
-    def embed(self, span: ImageSpan) -> mx.array:
-        """The span's input embeddings (n, hidden): its text tokens' own embeddings
-        with the vision tower's features in the image tokens' rows."""
-        ids = mx.array(span.ids, dtype=mx.int32)[None]
-        inputs = {k: mx.array(v) for k, v in span.inputs.items()}
+    def embed(self, spans: list[ImageSpan]) -> list[mx.array]:
+        """Each span's input embeddings (n, hidden): its text tokens' own embeddings
+        with the vision tower's features in the image tokens' rows. A prompt's images
+        go through the tower together, as mlx-vlm's processor batches them: a GEMM's
+        rounding depends on its batch, and greedy output on the last bit."""
+        axis = IMAGE_AXIS.get(self.model_type, 0)
+        ids = mx.array([i for span in spans for i in span.ids], dtype=mx.int32)[None]
+        inputs = {
+            name: mx.concatenate([mx.array(span.inputs[name]) for span in spans], axis=axis)
+            for name in spans[0].inputs
+        }
         pixels = inputs.pop("pixel_values")
-        features = self.vlm.get_input_embeddings(ids, pixels, **inputs)
-        return features.inputs_embeds[0]
+        mask = mx.ones(ids.shape, dtype=mx.int32)  # Gemma-3's asks for one; all attend
+        embedded = self.vlm.get_input_embeddings(ids, pixels, mask=mask, **inputs)
+        ends = list(accumulate(len(span.ids) for span in spans))
+        return [
+            embedded.inputs_embeds[0, end - len(span.ids) : end]
+            for span, end in zip(spans, ends, strict=True)
+        ]
 
 
 def llama_text(vlm: Any) -> tuple[nn.Module, list]:
@@ -118,6 +131,10 @@ def gemma3_text(vlm: Any) -> tuple[nn.Module, list]:
     ]
     return gemma3.Model(args), weights
 
+
+# model_type -> the axis of its processor's pixel inputs that counts images (Idefics3's
+# are (1, images and tiles, ...), Gemma-3's (images, ...))
+IMAGE_AXIS = {"idefics3": 1, "smolvlm": 1}
 
 # model_type -> its language half as an mlx-lm model over mlx-vlm's weights
 TEXT_MODELS = {"idefics3": llama_text, "smolvlm": llama_text, "gemma3": gemma3_text}

@@ -71,6 +71,19 @@ def _imported_top_levels() -> dict[str, str]:
     return found
 
 
+# Modules the server imports only where an optional extra installed them: mlx-vlm, for
+# vision-language models (`engines.model.vision.vision_support` says when it is missing,
+# and the model is served text-only).
+OPTIONAL = {"mlx_vlm": "vision"}
+
+
+def test_optional_imports_come_with_their_extra():
+    requires = metadata.requires("tandem-serve") or []
+    for module, extra in OPTIONAL.items():
+        name = module.replace("_", "-")
+        assert any(r.startswith(name) and f'extra == "{extra}"' in r for r in requires), requires
+
+
 def test_the_server_imports_nothing_that_only_the_dev_extras_install():
     base: set[str] = set()
     _requirements("tandem-serve", base)
@@ -79,6 +92,8 @@ def test_the_server_imports_nothing_that_only_the_dev_extras_install():
     outside = {}
     for module, where in _imported_top_levels().items():
         if module in ours or module in sys.stdlib_module_names or module == "__future__":
+            continue
+        if module in OPTIONAL:
             continue
         distributions = {re.sub(r"[-_.]+", "-", d).lower() for d in providers.get(module, [])}
         if not distributions & base:

@@ -105,10 +105,16 @@ class GenerationRequest:
         prompt with images the digests of its images in order. Image tokens are the
         same ids for every image, so a prefix through an image is only reused for the
         same images (the same screenshot in an agent's next turn)."""
-        if not self.images:
-            return self.cache_scope
-        digests = "\n".join(image.digest for image in self.images).encode()
-        return f"{self.cache_scope}\x1fimages:{hashlib.sha256(digests).hexdigest()[:32]}"
+        return image_scope(self.cache_scope, self.images)
+
+
+def image_scope(cache_scope: str, images: Sequence[PromptImage]) -> str:
+    """The prefix cache's partition for prompts of `cache_scope`'s key holding exactly
+    `images`, in order (`GenerationRequest.prefix_scope`)."""
+    if not images:
+        return cache_scope
+    digests = "\n".join(image.digest for image in images).encode()
+    return f"{cache_scope}\x1fimages:{hashlib.sha256(digests).hexdigest()[:32]}"
 
 
 def next_checkpoint(request: GenerationRequest, cached: int, end: int) -> int:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from mlx_lm.models.cache import make_prompt_cache
 
+from engines.request import image_scope
 from engines.sequence import Sequence
 from engines.state import SequenceState
 from scheduler.prefix_cache import ASSISTANT, SYSTEM, USER, PrefixCache
@@ -31,16 +32,19 @@ class PrefixReuse:
     def start(self, seq: Sequence, model) -> SequenceState:
         """The sequence with the cache of its prompt's longest cached prefix."""
         request = seq.request
-        prompt, scope = list(request.prompt_tokens), request.prefix_scope
-        hit = self.cache.lookup(prompt, scope) if self.cache is not None else None
-        first = request.images[0].start if request.images else 0
-        if self.cache is not None and first and (hit is None or hit.cached < first):
-            # The text before a prompt's first image is text like any of its key's
-            # prompts: their entries serve it (an agent's first screenshot comes after
-            # a long conversation that was cached without images).
-            text = self.cache.lookup(prompt[: first + 1], request.cache_scope)
-            if text is not None and (hit is None or text.cached > hit.cached):
-                hit = text
+        prompt, images = list(request.prompt_tokens), request.images
+        hit = None
+        # A prompt's text up to its k-th image is that of prompts holding its first k
+        # images (none: any of its key's text prompts): their entries serve it there. An
+        # agent's new screenshot comes after a conversation cached with the earlier ones.
+        for count in range(len(images), -1, -1) if self.cache is not None else ():
+            end = len(prompt) if count == len(images) else images[count].start + 1
+            if hit is not None and hit.cached >= end - 1:
+                break
+            scope = image_scope(request.cache_scope, images[:count])
+            found = self.cache.lookup(prompt[:end], scope)
+            if found is not None and (hit is None or found.cached > hit.cached):
+                hit = found
         if hit is None:
             return SequenceState(seq, make_prompt_cache(model), 0)
         return SequenceState.entry(seq, hit.cache, hit.cached, hit.draft)

@@ -41,11 +41,13 @@ def mlx_vlm_reference(vlm_dir: Path):
     tokenizer = load_tokenizer(vlm_dir)
     stops = {*tokenizer.eos_token_ids, *getattr(processor, "additional_eos_token_ids", ())}
 
-    def run(images: list[bytes], text: str, max_tokens: int, before: str = "") -> str:
+    def run(
+        images: list[bytes], text: str, max_tokens: int, before: str = "", messages=None
+    ) -> str:
         content = [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
         if before:  # text ahead of the images
             content.insert(0, {"type": "text", "text": before})
-        messages = [{"role": "user", "content": content}]
+        messages = messages or [{"role": "user", "content": content}]
         prompt = processor.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
@@ -133,9 +135,10 @@ async def test_migration_both_ways_keeps_an_image_request_exact(vlm_dir, vlm_ref
     try:
         async with make_client(scheduler) as client:
             long = asyncio.create_task(
-                client.post("/v1/chat/completions", json=chat_body([png(7)], max_tokens=1500))
+                client.post("/v1/chat/completions", json=chat_body([png(9)], max_tokens=1500))
             )
-            while scheduler.registry.tokens_processed < 200:  # decoding alone by now
+            # decoding alone by now (an image whose answer runs long: no early EOS)
+            while scheduler.registry.tokens_processed < 200 and not long.done():
                 await asyncio.sleep(0.01)
             short = await client.post(
                 "/v1/chat/completions", json=chat_body([png(8)], "Hi", max_tokens=4)
@@ -145,7 +148,7 @@ async def test_migration_both_ways_keeps_an_image_request_exact(vlm_dir, vlm_ref
     finally:
         scheduler.stop()
     assert reply.json()["usage"]["completion_tokens"] > 400  # it outlived the short one
-    assert answer(reply) == vlm_reference([png(7)], PROMPT, 1500)
+    assert answer(reply) == vlm_reference([png(9)], PROMPT, 1500)
     assert answer(short) == vlm_reference([png(8)], "Hi", 4)
     assert moves.get(("speculative", "batched"), 0) >= 1  # into the batch
     assert moves.get(("batched", "speculative"), 0) >= 1  # and back out
@@ -379,3 +382,104 @@ async def test_a_draft_model_speculates_after_an_image_exactly(tmp_path):
     ]
     drafted = [r.json()["speculation"]["draft_tokens"] for r in (alone, *together)]
     assert all(count > 0 for count in drafted), drafted
+
+
+@pytest.fixture(scope="module")
+def idefics3_dir(tmp_path_factory) -> Path:
+    return build_idefics3(tmp_path_factory.mktemp("idefics3-one"))
+
+
+async def test_the_same_image_after_a_restart_comes_from_disk(idefics3_dir, tmp_path):
+    """The disk tier keys entries by the images' digests too: after a restart the same
+    screenshot is served from disk, and the next turn, with a new screenshot, is served
+    from disk up to that image."""
+    history = "The little dog ran to the park and played with a red ball all day. " * 12
+    disk = {"prefix_cache_dir": str(tmp_path / "prefix"), "prefix_cache_disk_bytes": 1 << 30}
+
+    def body(seed: int) -> dict:
+        request = chat_body([png(seed)], max_tokens=8)
+        content = [{"type": "text", "text": history}, *request["messages"][0]["content"]]
+        request["messages"][0]["content"] = content
+        return request
+
+    async def serve_bodies(bodies: list[dict]) -> list:
+        """A server over the disk tier that answers `bodies` in turn, then stops."""
+        scheduler = start_scheduler(idefics3_dir, **disk)
+        assert scheduler._prefix.disk.wait_ready(60)
+        try:
+            async with make_client(scheduler) as client:
+                return [await client.post("/v1/chat/completions", json=b) for b in bodies]
+        finally:
+            scheduler.stop()
+
+    async def serve(*seeds: int) -> list:
+        return await serve_bodies([body(seed) for seed in seeds])
+
+    (first,) = await serve(22)
+    reference = mlx_vlm_reference(idefics3_dir)
+    said = answer(first)
+    # the next turn: the same conversation, the model's answer, and a new screenshot
+    turn = body(22)
+    turn["messages"] += [
+        {"role": "assistant", "content": said},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png(23))}},
+                                     {"type": "text", "text": "And this one?"}]},
+    ]  # fmt: skip
+    again, later = await serve_bodies([body(22), turn])
+    usage = [r.json()["usage"] for r in (first, again, later)]
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usage]
+    assert usage[0]["prompt_tokens"] > 256  # long enough for the disk tier
+    assert cached[0] == 0 and cached[1] >= usage[1]["prompt_tokens"] - 2
+    # the new turn: everything up to its new image, read back from disk
+    assert usage[0]["prompt_tokens"] < cached[2] < usage[2]["prompt_tokens"] - 10
+    assert said == answer(again) == reference([png(22)], PROMPT, 8, before=history)
+    parts = [{"type": "text", "text": history}, {"type": "image"}, {"type": "text", "text": PROMPT}]
+    conversation = [
+        {"role": "user", "content": parts},
+        {"role": "assistant", "content": [{"type": "text", "text": said}]},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this one?"}]},
+    ]
+    expected = reference([png(22), png(23)], "", 8, messages=conversation)
+    assert answer(later) == expected
+
+
+async def test_an_allowed_image_url_is_fetched_and_read(idefics3_dir):
+    """`--allow-image-urls 127.0.0.1`: an image URL on that host is fetched (a real
+    http.server here) and reaches the model; another host is refused by name."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from server.images import ImageLimits
+
+    image = png(24)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(image)))
+            self.end_headers()
+            self.wfile.write(image)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/shot.png"
+    scheduler = start_scheduler(idefics3_dir)
+    limits = ImageLimits(url_hosts=("127.0.0.1",))
+    try:
+        async with make_client(scheduler, image_limits=limits) as client:
+            body = chat_body([image])
+            body["messages"][0]["content"][0]["image_url"]["url"] = url
+            fetched = await client.post("/v1/chat/completions", json=body)
+            body["messages"][0]["content"][0]["image_url"]["url"] = "http://example.com/a.png"
+            refused = await client.post("/v1/chat/completions", json=body)
+    finally:
+        scheduler.stop()
+        httpd.shutdown()
+        thread.join()
+    assert answer(fetched) == mlx_vlm_reference(idefics3_dir)([image], PROMPT, 12)
+    assert refused.status_code == 400 and "example.com" in refused.json()["error"]["message"]

@@ -28,7 +28,13 @@ def build_gemma3(out: Path) -> Path:
     return build_gemma(out, SHARED)
 
 
-FAMILIES = {"idefics3": build_idefics3, "gemma3": build_gemma3}
+def build_smolvlm_tiles(out: Path) -> Path:
+    """Idefics3 splitting images into 32-pixel tiles (up to 2 a side) and a global
+    view, as SmolVLM does: row/column tokens and newlines between tiles."""
+    return build_idefics3(out, tiles=2)
+
+
+FAMILIES = {"idefics3": build_idefics3, "gemma3": build_gemma3, "tiles": build_smolvlm_tiles}
 
 
 def png(seed: int, size: tuple[int, int] = (40, 50)) -> bytes:

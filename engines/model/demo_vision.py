@@ -60,17 +60,20 @@ def build_idefics3(
     vision: dict | None = None,
     context: int = 2048,
     eos_tokens: tuple[str, ...] = (),
+    tiles: int = 0,
 ) -> Path:
     """A 2-layer Llama language model, a 1-layer SigLIP-style vision tower, and the
     connector, with random weights; mlx-vlm loads the folder as it loads SmolVLM.
-    `tokenizer_dir`'s tokenizer gains the image tokens; `eos_tokens` end a reply."""
+    `tokenizer_dir`'s tokenizer gains the image tokens; `eos_tokens` end a reply; with
+    `tiles`, images are split as SmolVLM splits them (row/column tiles and a global view)."""
     from mlx_vlm.models import idefics3
     from mlx_vlm.utils import update_module_configs
     from transformers import AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+    grid = [f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)]
+    tokenizer.add_special_tokens({"additional_special_tokens": [*IMAGE_TOKENS, *grid]})
     tokenizer.chat_template = template
     tokenizer.save_pretrained(str(out))
     vocab = len(tokenizer)
@@ -90,9 +93,11 @@ def build_idefics3(
     image_tokens = (side // patch) ** 2 // config["scale_factor"] ** 2
     processor = {
         "image_processor_type": "Idefics3ImageProcessor",
-        "do_image_splitting": False,
+        # with `tiles`, SmolVLM's way: resized to `tiles` tiles on its longer side, cut
+        # into tiles of the tower's size, each its own image tokens, and a global view
+        "do_image_splitting": bool(tiles),
         "max_image_size": {"longest_edge": side},
-        "size": {"longest_edge": side},
+        "size": {"longest_edge": side * max(tiles, 1)},
         "do_resize": True,
         "do_rescale": True,
         "do_normalize": True,

@@ -120,12 +120,18 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("agent-work")
 
 
-@pytest.fixture(scope="module")
-def tandem(tmp_path_factory, workdir):
-    model_dir = build_agent_model(tmp_path_factory.mktemp("models") / "agent")
+def agent_server(model_dir: Path, workdir: Path, log: str) -> TandemProcess:
+    """`tests.agent_server` serving `model_dir` with the clients' scripts for `workdir`."""
     command = [sys.executable, "-m", "tests.agent_server", str(workdir), "--seconds", "3000"]
     command += ["--", str(model_dir), "--served-model-name", MODEL]
-    server = TandemProcess(command, workdir / "tandem.log")
+    return TandemProcess(command, workdir / log)
+
+
+@pytest.fixture(scope="module")
+def tandem(tmp_path_factory, workdir):
+    server = agent_server(
+        build_agent_model(tmp_path_factory.mktemp("models") / "agent"), workdir, "tandem.log"
+    )
     yield server
     server.stop()
 
@@ -263,9 +269,7 @@ def vision_tandem(tmp_path_factory, workdir):
     from tests.agent_clients.agent_model import build_agent_vision_model
 
     model_dir = build_agent_vision_model(tmp_path_factory.mktemp("models") / "agent-vision")
-    command = [sys.executable, "-m", "tests.agent_server", str(workdir), "--seconds", "3000"]
-    command += ["--", str(model_dir), "--served-model-name", MODEL]
-    server = TandemProcess(command, workdir / "tandem-vision.log")
+    server = agent_server(model_dir, workdir, "tandem-vision.log")
     yield server
     server.stop()
 

@@ -90,6 +90,12 @@ def chat_body(images: list[bytes], text: str = PROMPT, max_tokens: int = 12) -> 
     }
 
 
+def anthropic_image(image: bytes, media_type: str = "image/png") -> dict:
+    """An Anthropic image block with `image` as base64."""
+    data = base64.b64encode(image).decode()
+    return {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
+
+
 def answer(response) -> str:
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["message"]["content"]
@@ -202,14 +208,7 @@ async def test_anthropic_and_responses_surfaces_carry_images(vlm_scheduler, vlm_
             {
                 "role": "user",
                 "content": [
-                    {
-                        "type": "image",
-                        "source": {
-                            "type": "base64",
-                            "media_type": "image/png",
-                            "data": base64.b64encode(image).decode(),
-                        },
-                    },
+                    anthropic_image(image),
                     {"type": "text", "text": PROMPT},
                 ],
             }
@@ -315,14 +314,7 @@ def test_the_sdks_send_images_that_reach_the_model(vlm_scheduler, vlm_reference)
                 {
                     "role": "user",
                     "content": [
-                        {
-                            "type": "image",
-                            "source": {
-                                "type": "base64",
-                                "media_type": "image/png",
-                                "data": base64.b64encode(image).decode(),
-                            },
-                        },
+                        anthropic_image(image),
                         {"type": "text", "text": PROMPT},
                     ],
                 }
@@ -335,16 +327,7 @@ def test_the_sdks_send_images_that_reach_the_model(vlm_scheduler, vlm_reference)
                 messages=[
                     {
                         "role": "user",
-                        "content": [
-                            {
-                                "type": "image",
-                                "source": {
-                                    "type": "base64",
-                                    "media_type": "image/jpeg",
-                                    "data": base64.b64encode(image).decode(),
-                                },
-                            }
-                        ],
+                        "content": [anthropic_image(image, "image/jpeg")],
                     }
                 ],
             )

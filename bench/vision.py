@@ -10,9 +10,11 @@ turn, alone on 127.0.0.1 with the same fast BLAS: `tandem serve MODEL` (defaults
 and `python -m mlx_vlm.server --model MODEL`. For each of `--images` noise images, a
 streamed chat completion (the image as a data URL and a short question, one output
 token) measures the time to first token cold, then the same request again (the same
-screenshot in an agent's next turn). The table gives both per server, medians over
-images, and Tandem's ratio to mlx-vlm; with `--rounds 2` the second round runs the
-servers in the other order.
+screenshot in an agent's next turn). Then a text stream decodes and a new image's
+request comes in the middle: the stream's longest gap while that request is served,
+beside its usual gap, says how long a new image holds up someone else's tokens. The
+table gives these per server, medians over images, and Tandem's ratio to mlx-vlm;
+with `--rounds 2` the second round runs the servers in the other order.
 
 mlx-vlm's server needs mlx-vlm's own dependencies (fastapi, mlx-audio, opencv, ...),
 which Tandem does not install; give it a venv of its own and name its python with
@@ -31,6 +33,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -113,6 +116,49 @@ def first_token_seconds(port: int, body: dict) -> float:
     return time.perf_counter() - started
 
 
+def decode_gap(port: int, served: str, image: bytes) -> dict:
+    """A text stream decodes; after its 20th chunk a new image's request comes (one
+    output token). Returns the stream's longest gap between chunks while that request
+    was in flight, the stream's median gap before it, and the request's time."""
+    text = {
+        "model": served,
+        "messages": [{"role": "user", "content": "Tell me a long story about the sea."}],
+        "max_tokens": 300,
+        "temperature": 0,
+        "stream": True,
+    }
+    arrivals: list[float] = []
+    window: list[float] = []
+
+    def send_image() -> None:
+        started = time.perf_counter()
+        first_token_seconds(port, image_request(served, image))
+        window.extend([started, time.perf_counter()])
+
+    worker = None
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    with httpx.stream("POST", url, json=text, timeout=600) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            arrivals.append(time.perf_counter())
+            if len(arrivals) == 20:
+                worker = threading.Thread(target=send_image)
+                worker.start()
+    if worker is not None:
+        worker.join()
+    if not window:
+        return {"max_gap_s": None, "note": "the stream ended before the image came"}
+    gaps = [(b - a, b) for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    before = [gap for gap, end in gaps if end < window[0]]
+    during = [gap for gap, end in gaps if window[0] <= end <= window[1] + 0.05]
+    return {
+        "gap_before_s": statistics.median(before) if before else None,
+        "max_gap_s": max(during, default=None),
+        "image_request_s": window[1] - window[0],
+    }
+
+
 @contextmanager
 def server(name: str, model: str, peer_python: str) -> Iterator[tuple[int, str]]:
     """The server `name` on a free port: (port, the model name requests carry)."""
@@ -140,13 +186,19 @@ def measure(name: str, model: str, peer_python: str, images: list[bytes]) -> dic
         for image in images:
             cold.append(first_token_seconds(port, image_request(served, image)))
             cached.append(first_token_seconds(port, image_request(served, image)))
+        gap = decode_gap(port, served, noise_png(1000))
     return {
         "server": name,
         "ttft_cold_s": statistics.median(cold),
         "ttft_cached_s": statistics.median(cached),
         "cold": cold,
         "cached": cached,
+        **gap,
     }
+
+
+def seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,11 +221,15 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
     blas = f"{find_fast_blas() or 'MLX bundled'} preloaded in both servers"
     print(f"model {model} | BLAS {blas} | float32 weights | {args.images} images")
-    print(f"{'server':10} {'round':>5} {'TTFT cold s':>12} {'TTFT cached s':>14}")
+    print(
+        f"{'server':10} {'round':>5} {'TTFT cold s':>12} {'TTFT cached s':>14} "
+        f"{'stream gap s':>13} {'gap, new image s':>17}"
+    )
     for row in rows:
         print(
             f"{row['server']:10} {row['round']:>5} {row['ttft_cold_s']:>12.3f} "
-            f"{row['ttft_cached_s']:>14.3f}"
+            f"{row['ttft_cached_s']:>14.3f} {seconds(row.get('gap_before_s')):>13} "
+            f"{seconds(row.get('max_gap_s')):>17}"
         )
     for round_index in range(args.rounds):
         pair = {r["server"]: r for r in rows if r["round"] == round_index}

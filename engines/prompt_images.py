@@ -47,6 +47,39 @@ def chunk_embeddings(vision: Any, rows: list[Chunk]) -> mx.array | None:
     return mx.stack(embedded)
 
 
+def advance_towers(vision: Any, rows: list[Chunk]) -> set[int]:
+    """One step of the vision tower for each row whose chunk reaches an image not yet
+    embedded (a layer of it: `TowerStages`); returns the rows that must wait another
+    step before their chunk is fed. The batch's other rows decode meanwhile, so an
+    image delays them by a layer's time at a step, as a long prompt's chunk would."""
+    waiting = set()
+    for row, (seq, start, ids) in enumerate(rows):
+        index = first_missing(seq, start, len(ids))
+        if vision is None or index is None:
+            continue
+        if seq.image_stage is None or seq.image_stage[0] != index:
+            later = [image.span for image in seq.request.images[index:]]
+            seq.image_stage = (index, vision.stage(later))
+        first, stages = seq.image_stage
+        stages.advance()
+        if stages.ready:
+            seq.image_embeddings.update(enumerate(stages.result, start=first))
+            seq.image_stage = None
+        else:
+            waiting.add(row)
+    return waiting
+
+
+def first_missing(seq: Sequence, start: int, count: int) -> int | None:
+    """The first image the chunk [start, start + count) reaches that has no
+    embeddings yet, or None."""
+    for index, image in enumerate(seq.request.images):
+        reached = image.start < start + count and start < image.end
+        if reached and index not in seq.image_embeddings:
+            return index
+    return None
+
+
 def row_embeddings(vision: Any, seq: Sequence, start: int, ids: list[int]) -> mx.array:
     """One row's embeddings for prompt positions [start, start + len(ids))."""
     end, position, parts = start + len(ids), start, []

@@ -65,6 +65,9 @@ class Sequence:
     # each prompt image's input embeddings once the vision tower ran (engine thread;
     # `engines.prompt_images`), dropped when the prompt is in
     image_embeddings: dict[int, Any] = field(default_factory=dict)
+    # (the image index it starts at, its `TowerStages`): images whose vision tower runs
+    # a layer per batched step, before the chunk that needs them (engine thread)
+    image_stage: tuple[int, Any] | None = None
 
     def __post_init__(self) -> None:
         self.stop = StopMatcher(self.request.stop)

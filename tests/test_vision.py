@@ -466,3 +466,35 @@ async def test_an_allowed_image_url_is_fetched_and_read(idefics3_dir):
         thread.join()
     assert answer(fetched) == mlx_vlm_reference(idefics3_dir)([image], PROMPT, 12)
     assert refused.status_code == 400 and "example.com" in refused.json()["error"]["message"]
+
+
+async def test_the_same_image_prompt_sent_twice_at_once_is_prefilled_once(idefics3_dir):
+    """A prefill follower: the second of two identical image prompts of one key waits
+    for the first's prefill (chunks of 16 tokens, so it stops inside the image) and
+    starts from it; a different image never does."""
+    history = "The little dog ran to the park and played with a red ball all day. " * 3
+    scheduler = start_scheduler(
+        idefics3_dir, prefill_step_size=16, prefill_follow_min_tokens=20, suffix_tokens_per_key=0
+    )
+
+    def body(seed: int) -> dict:
+        request = chat_body([png(seed)], max_tokens=8)
+        content = [{"type": "text", "text": history}, *request["messages"][0]["content"]]
+        request["messages"][0]["content"] = content
+        return request
+
+    try:
+        async with make_client(scheduler) as client:
+            replies = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=body(s)) for s in (25, 25, 26))
+            )
+        follows = dict(scheduler.counters.prefill_follows)
+    finally:
+        scheduler.stop()
+    cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies]
+    prompt_tokens = replies[1].json()["usage"]["prompt_tokens"]
+    reference = mlx_vlm_reference(idefics3_dir)
+    expected = [reference([png(s)], PROMPT, 8, before=history) for s in (25, 25, 26)]
+    assert [answer(r) for r in replies] == expected
+    assert cached[1] >= prompt_tokens - 2 and sum(follows.values()) >= 1, (cached, follows)
+    assert cached[2] < prompt_tokens - 10  # the history at most, never the other image

@@ -42,9 +42,11 @@ class HiddenTap:
         self.parts = parts
         self.hidden: mx.array | None = None  # (B, T, D) of the newest forward
 
-    def __call__(self, inputs: mx.array, cache: list) -> mx.array:
+    def __call__(
+        self, inputs: mx.array, cache: list, input_embeddings: mx.array | None = None
+    ) -> mx.array:
         self.model.guard(inputs)
-        logits, self.hidden = self.parts.forward(inputs, cache)
+        logits, self.hidden = self.parts.forward(inputs, cache, input_embeddings)
         return logits
 
     def make_cache(self) -> list:

@@ -25,7 +25,7 @@ from engines.batched.drafting import BatchRow, DraftModelRows
 from engines.batched.verify import accept_rows, commit_row, process_rows
 from engines.cache.ragged_cache import RaggedKVCache, feed_rows, remove_rows
 from engines.faults import check
-from engines.prompt_images import chunk_embeddings
+from engines.prompt_images import advance_towers, chunk_embeddings
 from engines.request import at_checkpoint, next_checkpoint
 from engines.sequence import StepOutput
 from engines.state import SequenceState
@@ -174,6 +174,12 @@ def prefill_chunk(
         r.tokens[held : min(_prefill_end(r, held, checkpoints.at_positions), held + chunk)]
         for r, held in zip(group.rows, before, strict=True)
     ]
+    towers = [(r.seq, held, ids) for r, held, ids in zip(group.rows, before, chunks, strict=True)]
+    # a row whose chunk reaches an image runs its vision tower a layer at a step first
+    waiting = (
+        advance_towers(vision, towers) if any(r.seq.request.images for r in group.rows) else ()
+    )
+    chunks = [[] if i in waiting else ids for i, ids in enumerate(chunks)]
     if any(chunks):
         rows = zip(group.rows, before, chunks, strict=True)
         embeddings = chunk_embeddings(vision, [(r.seq, held, ids) for r, held, ids in rows])

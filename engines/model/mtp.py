@@ -66,9 +66,14 @@ class TargetParts:
             return self.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
 
-    def forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
+    def forward(
+        self, tokens: mx.array, cache: list, input_embeddings: mx.array | None = None
+    ) -> tuple[mx.array, mx.array]:
         """(logits, hidden states) of a forward over `tokens` (shape (1, n))."""
-        hidden = self.backbone(tokens, cache)
+        if input_embeddings is None:
+            hidden = self.backbone(tokens, cache)
+        else:  # a prompt chunk with images (the text models that take embeddings)
+            hidden = self.backbone(tokens, cache, input_embeddings)
         return self.logits(hidden), hidden
 
     @property

@@ -63,11 +63,17 @@ class LayerTaps:
             if (index, where) in self.points:
                 self.captured[(index, where)] = output[0] if isinstance(output, tuple) else output
 
-    def forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
-        """(logits, tapped states) of one target forward over `tokens` (B, n)."""
+    def forward(
+        self, tokens: mx.array, cache: list, input_embeddings: mx.array | None = None
+    ) -> tuple[mx.array, mx.array]:
+        """(logits, tapped states) of one target forward over `tokens` (B, n), or over
+        `input_embeddings` where given (a prompt chunk with images)."""
         self.captured, self.armed = {}, True
         try:
-            logits = self.model(tokens, cache=cache)
+            if input_embeddings is None:
+                logits = self.model(tokens, cache=cache)
+            else:
+                logits = self.model(tokens, cache=cache, input_embeddings=input_embeddings)
         finally:
             self.armed = False
         features = mx.concatenate([self.captured[point] for point in self.points], axis=-1)

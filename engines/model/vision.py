@@ -52,6 +52,39 @@ class ImageExpansion:
     inputs: dict[str, np.ndarray]
 
 
+class _Recording:
+    """A tower layer that keeps its (lazy) output: what `TowerStages` evaluates one at
+    a time. Only stands in the encoder's list while `VisionParts.stage` builds the
+    graph; the model's own layer computes."""
+
+    def __init__(self, layer: Any, recorded: list) -> None:
+        self.layer, self.recorded = layer, recorded
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.layer(*args, **kwargs)
+        self.recorded.append(output[0] if isinstance(output, tuple) else output)
+        return output
+
+
+class TowerStages:
+    """A prompt's image embeddings, evaluated in steps: each vision tower layer's
+    output in turn, then the embeddings (the projector and the merge). The same graph
+    evaluated whole gives the same bits; in steps, the batch's other rows decode
+    between them, as they do between a long text prompt's chunks. Owned by the engine
+    thread, held by the request's `Sequence`."""
+
+    def __init__(self, pending: list, result: list[mx.array]) -> None:
+        self.pending = pending
+        self.result = result
+
+    @property
+    def ready(self) -> bool:
+        return not self.pending
+
+    def advance(self) -> None:
+        mx.eval(self.pending.pop(0))
+
+
 class VisionParts:
     """What a loaded vision-language model adds to its language half.
 
@@ -85,10 +118,40 @@ class VisionParts:
         return self.vlm.get_input_embeddings(tokens, None).inputs_embeds[0]
 
     def embed(self, spans: list[ImageSpan]) -> list[mx.array]:
-        """Each span's input embeddings (n, hidden): its text tokens' own embeddings
-        with the vision tower's features in the image tokens' rows. A prompt's images
-        go through the tower together, as mlx-vlm's processor batches them: a GEMM's
+        """Each span's input embeddings (n, hidden), computed now (`stage`, whole)."""
+        staged = self.stage(spans)
+        while not staged.ready:
+            staged.advance()
+        return staged.result
+
+    def stage(self, spans: list[ImageSpan]) -> TowerStages:
+        """Each span's input embeddings (n, hidden) -- its text tokens' own embeddings
+        with the vision tower's features in the image tokens' rows -- as a lazy graph,
+        computed a tower layer at a time (`TowerStages.advance`). A prompt's images go
+        through the tower together, as mlx-vlm's processor batches them: a GEMM's
         rounding depends on its batch, and greedy output on the last bit."""
+        layers = self._tower_layers()
+        recorded: list[mx.array] = []
+        if layers is not None:
+            original = list(layers.layers)
+            layers.layers = [_Recording(layer, recorded) for layer in original]
+        try:
+            result = self._embed_lazily(spans)
+        finally:
+            if layers is not None:
+                layers.layers = original
+        return TowerStages([*recorded, result], result)
+
+    def _tower_layers(self) -> Any:
+        """The vision tower's encoder (the module holding its `layers`), if found."""
+        for name, module in self.vlm.named_modules():
+            top = name.split(".")[0]
+            if top in ("vision_model", "vision_tower") and name.endswith("encoder"):
+                if isinstance(getattr(module, "layers", None), list):
+                    return module
+        return None
+
+    def _embed_lazily(self, spans: list[ImageSpan]) -> list[mx.array]:
         axis = IMAGE_AXIS.get(self.model_type, 0)
         ids = mx.array([i for span in spans for i in span.ids], dtype=mx.int32)[None]
         inputs = {

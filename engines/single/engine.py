@@ -38,7 +38,6 @@ from engines.drafting.draft_model import DraftState
 from engines.drafting.draft_vocab import describe_vocabulary, vocabulary_of
 from engines.drafting.entries import drafter_entry
 from engines.drafting.mtp import MTPState
-from engines.errors import InvalidRequest
 from engines.gating.measured_costs import PLAIN, CostModel
 from engines.interface import StepResult, starting_state
 from engines.model.registry import ModelRegistry
@@ -278,15 +277,14 @@ class SpeculativeEngine:
         chunk = mx.array(ids)
         vision = self.registry.target.vision
         embeddings = chunk_embeddings(vision, [(active.seq, active.cached, ids)])
-        if embeddings is not None:
-            if self._feeds_mtp(active):
-                raise InvalidRequest("an MTP head cannot draft for a prompt with images yet")
+        if embeddings is not None and not self._feeds_mtp(active):
             self.model(chunk[None], cache=active.cache, input_embeddings=embeddings)
             mx.eval([c.state for c in active.cache])
         elif self._feeds_mtp(active):
             # the MTP head sees the prompt too: each position's hidden state with the
-            # token after it, fed now (not kept: a long prompt's states are large)
-            _, hidden = self._forward(active, chunk)
+            # token after it, fed now (not kept: a long prompt's states are large); a
+            # chunk with images is fed as embeddings there too
+            _, hidden = self._forward(active, chunk, embeddings)
             following = active.tokens[active.cached + 1 : active.cached + 1 + chunk.size]
             active.drafting.mtp.observe(active.cached, hidden[0], mx.array(following))
             self.drafter.feed(active.drafting.mtp)
@@ -344,13 +342,16 @@ class SpeculativeEngine:
         """The request may draft with the MTP head, so the head must see its tokens."""
         return getattr(self.drafter, "fed_with_target", False) and DRAFT in active.drafting.gates
 
-    def _forward(self, active: Active, tokens: mx.array) -> tuple[mx.array, mx.array | None]:
-        """A target forward over `tokens` (shape (n,)): logits (1, n, V), and the hidden
+    def _forward(
+        self, active: Active, tokens: mx.array, embeddings: mx.array | None = None
+    ) -> tuple[mx.array, mx.array | None]:
+        """A target forward over `tokens` (shape (n,)), or over `embeddings` (1, n, D)
+        where given (a prompt chunk with images): logits (1, n, V), and the hidden
         states before the LM head when the MTP head will need them (else None)."""
         if not self._feeds_mtp(active):
             return self.model(tokens[None], cache=active.cache), None
         self.model.guard(tokens)
-        return self.target_parts.forward(tokens[None], active.cache)
+        return self.target_parts.forward(tokens[None], active.cache, embeddings)
 
     def _drafter_state(self, active: Active) -> DraftState | MTPState:
         if getattr(self.drafter, "fed_with_target", False):

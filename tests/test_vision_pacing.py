@@ -1,0 +1,101 @@
+"""Images beside the rest of the engines: a new image's vision tower runs a layer per
+batched step before its prompt chunk (`engines.prompt_images.advance_towers`) while
+the batch's other rows decode (the same lazy graph, evaluated in steps, gives the
+same bits); a drafter fed the target's hidden states drafts for image prompts."""
+
+from __future__ import annotations
+
+from engines.batched.engine import BatchedSpeculativeEngine
+from engines.model.registry import ModelRegistry
+from engines.request import GenerationRequest
+from engines.sequence import make_sequence
+from engines.single.engine import SpeculativeEngine
+from engines.spec_config import SpecConfig
+from server.image_prompts import PromptImages
+from server.images import ImageLimits, image_from_data_url
+from server.prompts import render_chat
+from tests.test_batched_speculation import COST, GREEDY
+from tests.test_vision import mlx_vlm_reference
+from tests.vlm_models import build_idefics3, data_url, png
+
+LAYERS = 4  # the tower's depth here: 4 layers, then the projector and merge
+PROMPT = "Once upon a time"
+
+
+def image_request(registry: ModelRegistry, rid: str, seed: int, max_tokens: int):
+    limits = ImageLimits()
+    images = PromptImages(registry.target.vision, limits)
+    stand_in = images.add(image_from_data_url(data_url(png(seed)), limits, "image"), "image")
+    messages = [{"role": "user", "content": stand_in + PROMPT}]
+    rendered = render_chat(registry.tokenizer, messages, images=images)
+    located = images.locate(rendered.ids)
+    return GenerationRequest(rid, tuple(rendered.ids), max_tokens, GREEDY, images=located)
+
+
+def test_a_new_images_tower_runs_a_layer_a_step_while_the_batch_decodes(tmp_path):
+    model_dir = build_idefics3(tmp_path / "vlm", vision={"num_hidden_layers": LAYERS})
+    registry = ModelRegistry.load(str(model_dir))
+    spec = SpeculativeEngine(registry, SpecConfig(enable_pld=False), cost=COST)
+    engine = BatchedSpeculativeEngine(registry, spec.speculation, prefill_step_size=64)
+    registry.transfer(engine.name)
+    first = image_request(registry, "first", 27, 24)
+    late = image_request(registry, "late", 28, 12)
+    outputs: dict[str, list] = {"first": [], "late": []}
+
+    def step() -> set[str]:
+        result = engine.step()
+        for output in result.outputs:
+            outputs[output.request_id].append(output)
+        return {output.request_id for output in result.outputs if output.token_ids}
+
+    engine.admit(make_sequence(first, registry.tokenizer))
+    for _ in range(6):  # the first one's prompt in, decoding
+        step()
+    late_seq = make_sequence(late, registry.tokenizer)
+    engine.admit(late_seq)
+    staged = []  # at each step the late image's tower was still running: who decoded
+    while engine.batch_size:
+        emitted = step()
+        if late_seq.image_stage is not None:
+            staged.append(emitted)
+    # a step a layer at least (the engine also takes plain decode steps between);
+    # decoding went on at all of them but the first, which is a prefill step of its own,
+    # as a text prompt's first chunk is
+    assert len(staged) >= LAYERS, staged
+    assert sum("first" in emitted for emitted in staged) >= len(staged) - 1, staged
+    reference = mlx_vlm_reference(model_dir)
+    for request_id, seed, max_tokens in (("first", 27, 24), ("late", 28, 12)):
+        text = "".join(o.text for o in outputs[request_id])
+        assert text == reference([png(seed)], PROMPT, max_tokens)
+
+
+async def test_a_hidden_state_drafter_leaves_image_prompts_exact(tmp_path):
+    """An EAGLE-3 speculator reads the target's hidden states, the image rows' too (the
+    taps see the forward fed input embeddings): it drafts for image requests alone and
+    in the batch, beside a text request, and greedy output stays mlx-vlm's."""
+    import asyncio
+
+    from bench.drafter_checkpoints import write_eagle3
+    from tests.conftest import make_client, start_scheduler
+    from tests.test_vision import answer, chat_body
+
+    model_dir = build_idefics3(tmp_path / "vlm")
+    drafter = write_eagle3(tmp_path / "eagle3", model_dir, aux_ids=[0, 1, 1], draft_vocab=0)
+    scheduler = start_scheduler(
+        model_dir, draft_model=str(drafter), draft_kind="eagle3", prefix_cache_entries=0
+    )
+    try:
+        async with make_client(scheduler) as client:
+            alone = await client.post("/v1/chat/completions", json=chat_body([png(29)]))
+            together = await asyncio.gather(
+                client.post("/v1/chat/completions", json=chat_body([png(30)])),
+                client.post("/v1/chat/completions", json=chat_body([], "The little dog")),
+            )
+    finally:
+        scheduler.stop()
+    reference = mlx_vlm_reference(model_dir)
+    assert answer(alone) == reference([png(29)], PROMPT, 12)
+    assert answer(together[0]) == reference([png(30)], PROMPT, 12)
+    assert answer(together[1]) == reference([], "The little dog", 12)
+    drafted = [r.json()["speculation"]["draft_tokens"] for r in (alone, *together)]
+    assert all(count > 0 for count in drafted), drafted  # it drafted for every one

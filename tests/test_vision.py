@@ -496,5 +496,6 @@ async def test_the_same_image_prompt_sent_twice_at_once_is_prefilled_once(idefic
     reference = mlx_vlm_reference(idefics3_dir)
     expected = [reference([png(s)], PROMPT, 8, before=history) for s in (25, 25, 26)]
     assert [answer(r) for r in replies] == expected
-    assert cached[1] >= prompt_tokens - 2 and sum(follows.values()) >= 1, (cached, follows)
+    # whichever of the two came second followed the other's prefill
+    assert max(cached[:2]) >= prompt_tokens - 2 and sum(follows.values()) >= 1, (cached, follows)
     assert cached[2] < prompt_tokens - 10  # the history at most, never the other image

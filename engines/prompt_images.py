@@ -19,14 +19,19 @@ from typing import Any
 import mlx.core as mx
 
 from engines.errors import InvalidRequest
-from engines.request import GenerationRequest
+from engines.request import GenerationRequest, PromptImage
 from engines.sequence import Sequence
 
 Chunk = tuple[Sequence, int, list[int]]  # a row's sequence, its first position, its ids
 
 
+def reaches(image: PromptImage, start: int, count: int) -> bool:
+    """Whether prompt positions [start, start + count) hold any of `image`'s tokens."""
+    return image.start < start + count and start < image.end
+
+
 def covers_image(seq: Sequence, start: int, count: int) -> bool:
-    return any(image.start < start + count and start < image.end for image in seq.request.images)
+    return any(reaches(image, start, count) for image in seq.request.images)
 
 
 def chunk_embeddings(vision: Any, rows: list[Chunk]) -> mx.array | None:
@@ -55,27 +60,32 @@ def advance_towers(vision: Any, rows: list[Chunk]) -> set[int]:
     waiting = set()
     for row, (seq, start, ids) in enumerate(rows):
         index = first_missing(seq, start, len(ids))
-        if vision is None or index is None:
-            continue
-        if seq.image_stage is None or seq.image_stage[0] != index:
-            later = [image.span for image in seq.request.images[index:]]
-            seq.image_stage = (index, vision.stage(later))
-        first, stages = seq.image_stage
-        stages.advance()
-        if stages.ready:
-            seq.image_embeddings.update(enumerate(stages.result, start=first))
-            seq.image_stage = None
-        else:
+        if vision is not None and index is not None and not tower_step(vision, seq, index):
             waiting.add(row)
     return waiting
+
+
+def tower_step(vision: Any, seq: Sequence, index: int) -> bool:
+    """One step (a tower layer, or the final merge) of the embeddings of the request's
+    image `index` and every later one, through the vision tower together (as mlx-vlm
+    batches them); True once they are in `seq.image_embeddings`."""
+    if seq.image_stage is None or seq.image_stage[0] != index:
+        later = [image.span for image in seq.request.images[index:]]
+        seq.image_stage = (index, vision.stage(later))
+    stages = seq.image_stage[1]
+    stages.advance()
+    if not stages.ready:
+        return False
+    seq.image_embeddings.update(enumerate(stages.result, start=index))
+    seq.image_stage = None
+    return True
 
 
 def first_missing(seq: Sequence, start: int, count: int) -> int | None:
     """The first image the chunk [start, start + count) reaches that has no
     embeddings yet, or None."""
     for index, image in enumerate(seq.request.images):
-        reached = image.start < start + count and start < image.end
-        if reached and index not in seq.image_embeddings:
+        if reaches(image, start, count) and index not in seq.image_embeddings:
             return index
     return None
 
@@ -89,11 +99,8 @@ def row_embeddings(vision: Any, seq: Sequence, start: int, ids: list[int]) -> mx
             continue
         if position < low:
             parts.append(vision.embed_text(ids[position - start : low - start]))
-        if index not in seq.image_embeddings:
-            # this image and every later one, through the vision tower together
-            later = seq.request.images[index:]
-            embedded = vision.embed([later_image.span for later_image in later])
-            seq.image_embeddings.update(enumerate(embedded, start=index))
+        while index not in seq.image_embeddings:  # not staged: the whole tower now
+            tower_step(vision, seq, index)
         features = seq.image_embeddings[index]
         parts.append(features[low - image.start : high - image.start])
         if high == image.end:  # its last row is fed: a later chunk never needs it

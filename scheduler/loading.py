@@ -60,9 +60,8 @@ class ModelInfo:
     # caches that cannot be cut back to any prefix: chats keep one at their system prompt
     prompt_checkpoints: bool = False
     # a vision-language model's image half (engines.model.vision.VisionParts; the server
-    # calls only its `span`, the processor), None for a model that reads text only
+    # calls only its `expand`, the processor), None for a model that reads text only
     vision: Any = None
-    text_only_reason: str = ""  # why a checkpoint with a vision tower reads text only
 
 
 @dataclass
@@ -153,7 +152,6 @@ def load_model(config: SchedulerConfig) -> Loaded:
         vocab_size=min(len(registry.tokenizer), registry.target.vocab_size),
         prompt_checkpoints=not cuts_back_anywhere(target),
         vision=registry.target.vision,
-        text_only_reason=registry.target.text_only_reason,
     )
     info.grammar.warm_in_background()
     return Loaded(registry, engine, drafting, rows_roll_back, info)

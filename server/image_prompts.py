@@ -39,7 +39,7 @@ from server.images import (
 from server.prompts import media_placeholder
 
 SENTINEL = "\ue000image-{}\ue001"
-EARLIER = re.compile("\ue000image-[0-9a-f]{16}\ue001")
+ANY_SENTINEL = re.compile("\ue000image-[0-9a-f]{16}\ue001")
 EARLIER_IMAGE = "[image from an earlier response omitted]"
 
 
@@ -48,7 +48,7 @@ def join_blocks(texts: list[str], separator: str) -> str:
     block sits against its neighbours, as a template's image part does."""
     joined = ""
     for index, text in enumerate(texts):
-        if index and not (EARLIER.fullmatch(text) or EARLIER.fullmatch(texts[index - 1])):
+        if index and not any(ANY_SENTINEL.fullmatch(t) for t in (text, texts[index - 1])):
             joined += separator
         joined += text
     return joined
@@ -70,11 +70,15 @@ class PromptImages:
     def reads_images(self) -> bool:
         return self.vision is not None
 
+    def placeholder(self) -> str:
+        """What a text-only model reads for an image (counted)."""
+        self.omitted += 1
+        return media_placeholder("image")
+
     def add(self, image: ImageInput, param: str) -> str:
         """The text that stands for `image` in its message."""
         if self.vision is None:
-            self.omitted += 1
-            return media_placeholder("image")
+            return self.placeholder()
         check_image_count(len(self.images) + 1, self.limits, param)
         self.images.append(image)
         return self.sentinel
@@ -82,8 +86,7 @@ class PromptImages:
     def add_base64(self, data: Any, media_type: Any, param: str) -> str:
         """`add` for an image sent as base64 with its media type (Anthropic's)."""
         if self.vision is None:
-            self.omitted += 1
-            return media_placeholder("image")
+            return self.placeholder()
         if not isinstance(data, str) or not isinstance(media_type, str):
             raise bad_request(f"{param} needs base64 `data` and a `media_type`", param)
         return self.add(image_from_base64(data, media_type, self.limits, param), param)
@@ -92,8 +95,7 @@ class PromptImages:
         """`add` for an image given as a data: or http(s) URL (fetched, when the
         operator allows its host, from this worker thread through the event loop)."""
         if self.vision is None:
-            self.omitted += 1
-            return media_placeholder("image")
+            return self.placeholder()
         image = anyio.from_thread.run(image_from_reference, url, self.limits, param)
         return self.add(image, param)
 
@@ -107,7 +109,7 @@ class PromptImages:
                 parts: list[dict] = []
                 # an earlier request's images (a stored Responses conversation) are
                 # not kept: they read as the placeholder
-                content = EARLIER.sub(self._earlier, content or "")
+                content = ANY_SENTINEL.sub(self._earlier, content or "")
                 for index, piece in enumerate(content.split(self.sentinel)):
                     if index:
                         parts.append({"type": "image"})

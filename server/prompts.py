@@ -168,15 +168,14 @@ def apply_template(
     What the template would drop (tools, earlier calls) is first written into the
     messages as text (`server.tool_prompt`): never silently lost."""
     messages, tools = messages_for_template(tokenizer, messages, tools)
-    if images is not None and images.reads_images:
-        messages = images.as_parts(messages)
+    parts = images is not None and images.reads_images
     text = tokenizer.apply_chat_template(
-        escaper.escape(messages),
+        escaper.escape(images.as_parts(messages) if parts else messages),
         tools=escaper.escape(tools) or None,
         add_generation_prompt=generation_prompt,
         tokenize=False,
     )
-    return images.expand_text(text) if images is not None and images.reads_images else text
+    return images.expand_text(text) if parts else text
 
 
 def fold_late_system_turns(messages: list[dict]) -> list[dict]:

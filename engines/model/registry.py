@@ -35,8 +35,6 @@ class LoadedModel:
     config: dict
     folder: str = ""  # what mlx-lm loaded: a local folder or a hub id
     vision: VisionParts | None = None  # a vision-language model's image half
-    # why a checkpoint with a vision tower is served text-only ("" when it is not one)
-    text_only_reason: str = ""
 
     @property
     def context_length(self) -> int | None:
@@ -69,18 +67,16 @@ def load_model(
         model = LockstepModel(model, group)
         return LoadedModel(path, model, tokenizer, config, folder)
     config = local_config(folder)
-    vision, reason = None, ""
-    if is_vision_config(config):
-        reason = vision_support(config) or ""
-        if reason:
-            log.warning("%s: served text-only: %s", path, reason)
+    vision, reason = None, vision_support(config) if is_vision_config(config) else None
+    if reason:
+        log.warning("%s: served text-only: %s", path, reason)
     if is_vision_config(config) and not reason:
         model, tokenizer, vision = load_vision_model(folder, config)
     else:
         model, tokenizer, config = load(folder, return_config=True)
     trimmable_windows(model)  # sliding windows roll back without a replay
     cpu_attention.install(model)  # a CPU device's attention on every core
-    return LoadedModel(path, model, tokenizer, config, folder, vision, reason)
+    return LoadedModel(path, model, tokenizer, config, folder, vision)
 
 
 def local_config(folder: str) -> dict:

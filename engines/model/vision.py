@@ -89,7 +89,7 @@ class VisionParts:
     """What a loaded vision-language model adds to its language half.
 
     `expand` runs on a server worker thread (the processor: PIL and numpy only);
-    `embed` and `embed_text` run on the engine thread (the vision tower)."""
+    `stage` and `embed_text` run on the engine thread (the vision tower)."""
 
     def __init__(self, model_type: str, vlm: Any, processor: Any) -> None:
         self.model_type = model_type
@@ -99,6 +99,7 @@ class VisionParts:
         # the image token itself (Idefics3's <image>)
         self.marker = getattr(processor, "boi_token", None) or processor.image_token
         self.image_token_id = int(vlm.config.image_token_index)
+        self.encoder = tower_encoder(vlm)  # whose `layers` `stage` records, if found
 
     def expand(self, image: Any) -> ImageExpansion:
         """The marker's expansion for one PIL image, and its pixel inputs."""
@@ -117,39 +118,22 @@ class VisionParts:
         tokens = mx.array(ids, dtype=mx.int32)[None]
         return self.vlm.get_input_embeddings(tokens, None).inputs_embeds[0]
 
-    def embed(self, spans: list[ImageSpan]) -> list[mx.array]:
-        """Each span's input embeddings (n, hidden), computed now (`stage`, whole)."""
-        staged = self.stage(spans)
-        while not staged.ready:
-            staged.advance()
-        return staged.result
-
     def stage(self, spans: list[ImageSpan]) -> TowerStages:
         """Each span's input embeddings (n, hidden) -- its text tokens' own embeddings
         with the vision tower's features in the image tokens' rows -- as a lazy graph,
         computed a tower layer at a time (`TowerStages.advance`). A prompt's images go
         through the tower together, as mlx-vlm's processor batches them: a GEMM's
         rounding depends on its batch, and greedy output on the last bit."""
-        layers = self._tower_layers()
-        recorded: list[mx.array] = []
-        if layers is not None:
-            original = list(layers.layers)
-            layers.layers = [_Recording(layer, recorded) for layer in original]
+        encoder, recorded = self.encoder, []
+        if encoder is not None:
+            original = list(encoder.layers)
+            encoder.layers = [_Recording(layer, recorded) for layer in original]
         try:
             result = self._embed_lazily(spans)
         finally:
-            if layers is not None:
-                layers.layers = original
+            if encoder is not None:
+                encoder.layers = original
         return TowerStages([*recorded, result], result)
-
-    def _tower_layers(self) -> Any:
-        """The vision tower's encoder (the module holding its `layers`), if found."""
-        for name, module in self.vlm.named_modules():
-            top = name.split(".")[0]
-            if top in ("vision_model", "vision_tower") and name.endswith("encoder"):
-                if isinstance(getattr(module, "layers", None), list):
-                    return module
-        return None
 
     def _embed_lazily(self, spans: list[ImageSpan]) -> list[mx.array]:
         axis = IMAGE_AXIS.get(self.model_type, 0)
@@ -166,6 +150,17 @@ class VisionParts:
             embedded.inputs_embeds[0, end - len(span.ids) : end]
             for span, end in zip(spans, ends, strict=True)
         ]
+
+
+def tower_encoder(vlm: Any) -> Any:
+    """The vision tower's encoder (the module holding its `layers`), or None: without
+    it a tower is evaluated whole, in one step."""
+    for name, module in vlm.named_modules():
+        top = name.split(".")[0]
+        if top in ("vision_model", "vision_tower") and name.endswith("encoder"):
+            if isinstance(getattr(module, "layers", None), list):
+                return module
+    return None
 
 
 def llama_text(vlm: Any) -> tuple[nn.Module, list]:

@@ -277,10 +277,11 @@ class SpeculativeEngine:
         chunk = mx.array(ids)
         vision = self.registry.target.vision
         embeddings = chunk_embeddings(vision, [(active.seq, active.cached, ids)])
-        if embeddings is not None and not self._feeds_mtp(active):
+        feeds_mtp = self._feeds_mtp(active)
+        if embeddings is not None and not feeds_mtp:
             self.model(chunk[None], cache=active.cache, input_embeddings=embeddings)
             mx.eval([c.state for c in active.cache])
-        elif self._feeds_mtp(active):
+        elif feeds_mtp:
             # the MTP head sees the prompt too: each position's hidden state with the
             # token after it, fed now (not kept: a long prompt's states are large); a
             # chunk with images is fed as embeddings there too

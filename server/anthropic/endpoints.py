@@ -193,15 +193,15 @@ def to_job(request: Request, body: MessagesRequest, model: str) -> MessageJob:
     take_images(body, images)
     report_omitted(request, images, "messages")
     rendered = render_prompt(info.tokenizer, body, tools, think, info.prompt_checkpoints, images)
-    ids, positions, prompt_images = rendered.ids, rendered.checkpoints, images.locate(rendered.ids)
+    prompt_images = images.locate(rendered.ids)
     caching = config.scheduler.prefix_cache_entries > 0
     max_tokens = effective_max_tokens(
         body.max_tokens,
-        len(ids),
+        len(rendered.ids),
         info.context_length,
         MaxTokens.of(config),
     )
-    gen = replace(generation_request(body, ids, max_tokens), images=prompt_images)
+    gen = replace(generation_request(body, rendered.ids, max_tokens), images=prompt_images)
     fmt = (body.output_config.format if body.output_config else None) or body.output_format
     schema = anthropic_output_format(fmt)
     markers = output_markers(request)
@@ -218,9 +218,9 @@ def to_job(request: Request, body: MessagesRequest, model: str) -> MessageJob:
     )
     # Checkpoints matter only where caches cannot be cut back (hybrid, windowed models):
     # elsewhere every finished request's whole cache is kept and any prefix reused.
-    checkpoints = positions if info.prompt_checkpoints else ()
+    checkpoints = rendered.checkpoints if info.prompt_checkpoints else ()
     gen = replace(gen, constraint=constraint, checkpoints=checkpoints)
-    marked = max(positions, default=0) if caching else 0
+    marked = max(rendered.checkpoints, default=0) if caching else 0
     return MessageJob(gen, model, tools, rendered.starts_in_reasoning, marked, forced[0])
 
 

@@ -47,7 +47,7 @@ def image_text(block: OtherBlock, images: PromptImages, where: str) -> str:
     if kind == "url" and isinstance(source.get("url"), str):
         return images.add_reference(source["url"], param)
     if not images.reads_images:
-        return images.add_base64("", "", param)  # the placeholder, as for any image
+        return images.placeholder()
     raise bad_request(
         f"{param} has type {kind!r}; this server reads images sent as base64 or a url",
         param,

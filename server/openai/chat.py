@@ -159,15 +159,11 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
         checkpoint_system=info.prompt_checkpoints,
         images=images,
     )
-    ids, checkpoints, prompt_images = (
-        rendered.ids,
-        rendered.checkpoints,
-        images.locate(rendered.ids),
-    )
+    prompt_images = images.locate(rendered.ids)
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = effective_max_tokens(
         requested,
-        len(ids),
+        len(rendered.ids),
         info.context_length,
         MaxTokens.of(config),
         "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
@@ -176,7 +172,7 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
     gen = build_request(
         new_request_id("chatcmpl"),
         body,
-        ids,
+        rendered.ids,
         max_tokens,
         info.vocab_size,
         "chat",
@@ -192,7 +188,9 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
         rendered.starts_in_reasoning,
         config.tool_call_grammar == "auto",
     )
-    gen = replace(gen, constraint=constraint, checkpoints=checkpoints, images=prompt_images)
+    gen = replace(
+        gen, constraint=constraint, checkpoints=rendered.checkpoints, images=prompt_images
+    )
     return ChatJob(
         gen,
         model,

@@ -216,19 +216,17 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
         checkpoint_system=info.prompt_checkpoints,
         images=images,
     )
-    ids, checkpoints, prompt_images = (
-        rendered.ids,
-        rendered.checkpoints,
-        images.locate(rendered.ids),
-    )
+    prompt_images = images.locate(rendered.ids)
     max_tokens = effective_max_tokens(
         body.max_output_tokens,
-        len(ids),
+        len(rendered.ids),
         info.context_length,
         MaxTokens.of(config),
         "max_output_tokens",
     )
-    gen = build_request(new_item_id("resp"), body, ids, max_tokens, info.vocab_size, "responses")
+    gen = build_request(
+        new_item_id("resp"), body, rendered.ids, max_tokens, info.vocab_size, "responses"
+    )
     constraint = output_constraint(
         schema,
         "text.format",
@@ -239,7 +237,9 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
         rendered.starts_in_reasoning,
         config.tool_call_grammar == "auto",
     )
-    gen = replace(gen, constraint=constraint, checkpoints=checkpoints, images=prompt_images)
+    gen = replace(
+        gen, constraint=constraint, checkpoints=rendered.checkpoints, images=prompt_images
+    )
     seal = partial(sealer.seal, scope) if ENCRYPTED_CONTENT in (body.include or ()) else None
     return ResponsesJob(
         gen,

@@ -42,5 +42,5 @@ def image_text(part: OtherContent, images: PromptImages, param: str) -> str:
     if isinstance(url, str):
         return images.add_reference(url, f"{param}.image_url")
     if not images.reads_images:
-        return images.add_base64("", "", param)  # the placeholder, as for any image
+        return images.placeholder()
     raise bad_request(f"{param} needs an image_url (a data: URL); file_id is not served", param)

@@ -5,11 +5,11 @@ tokens are ordinary ids in `prompt_tokens`, so chunking, the batch's ragged rows
 prefix-cache entries (whose scope holds the images' digests) and migration treat it
 as text. Only the forward of a chunk reaching an image differs: its rows are the
 text tokens' embeddings, and in an image's rows mlx-vlm's merged embeddings
-(`VisionParts.embed`). The vision tower runs once per image and request, on the
-engine thread, at the first chunk that reaches an image (between steps, like any
-prefill chunk), for that image and the prompt's later ones together (as mlx-vlm
-batches them: the same rounding); each result waits on the request's `Sequence`
-until the chunk that takes the image's last row, then goes.
+(`VisionParts.stage`). The vision tower runs once per image and request, on the
+engine thread, before the first chunk that reaches an image, for that image and the
+prompt's later ones together (as mlx-vlm batches them: the same rounding): in the
+batch a layer per step (`advance_towers`), alone all at once. Each result waits on
+the request's `Sequence` until the chunk that takes the image's last row, then goes.
 """
 
 from __future__ import annotations

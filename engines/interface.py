@@ -26,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from mlx_lm.models.cache import make_prompt_cache
 
+from engines.model.mrope import attach, prompt_positions
 from engines.sequence import Sequence, StepOutput
 from engines.state import SequenceState
 
@@ -73,6 +74,12 @@ class Engine(Protocol):
 
 def starting_state(start: Sequence | SequenceState, model: Any) -> SequenceState:
     """A new sequence's state: its own (a cached prefix), or an empty cache of `model`."""
-    if isinstance(start, SequenceState):
-        return start
-    return SequenceState(start, make_prompt_cache(model), 0)
+    state = (
+        start
+        if isinstance(start, SequenceState)
+        else SequenceState(start, make_prompt_cache(model), 0)
+    )
+    # a prompt with images on a model with 3-D positions: the cache carries them from
+    # here through every move of the row (whoever's prefix it started from)
+    attach(state.cache, 0, prompt_positions(state.seq.request.images))
+    return state

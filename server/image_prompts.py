@@ -163,7 +163,7 @@ class PromptImages:
         for image, expansion in zip(self.images, self.expansions(), strict=True):
             first, last = positions[used], positions[used + expansion.image_tokens - 1]
             used += expansion.image_tokens
-            span = ImageSpan(list(ids[first : last + 1]), expansion.inputs)
+            span = ImageSpan(list(ids[first : last + 1]), expansion.inputs, expansion.grid)
             located.append(PromptImage(first, span, image.digest))
         return tuple(located)
 

@@ -5,6 +5,8 @@ same bits); a drafter fed the target's hidden states drafts for image prompts.""
 
 from __future__ import annotations
 
+import pytest
+
 from engines.batched.engine import BatchedSpeculativeEngine
 from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest
@@ -16,9 +18,17 @@ from server.images import ImageLimits, image_from_data_url
 from server.prompts import render_chat
 from tests.test_batched_speculation import COST, GREEDY
 from tests.test_vision import mlx_vlm_reference
-from tests.vlm_models import build_idefics3, data_url, png
+from tests.vlm_models import build_idefics3, build_qwen2_5_vl, data_url, png
 
 LAYERS = 4  # the tower's depth here: 4 layers, then the projector and merge
+# (builder, the tower setting that gives it LAYERS layers): SigLIP's encoder layers,
+# Qwen-VL's blocks
+TOWERS = {
+    "idefics3": lambda out: build_idefics3(out, vision={"num_hidden_layers": LAYERS}),
+    "qwen2_5_vl": lambda out: build_qwen2_5_vl(
+        out, vision={"depth": LAYERS, "fullatt_block_indexes": [LAYERS - 1]}
+    ),
+}
 PROMPT = "Once upon a time"
 
 
@@ -32,8 +42,9 @@ def image_request(registry: ModelRegistry, rid: str, seed: int, max_tokens: int)
     return GenerationRequest(rid, tuple(rendered.ids), max_tokens, GREEDY, images=located)
 
 
-def test_a_new_images_tower_runs_a_layer_a_step_while_the_batch_decodes(tmp_path):
-    model_dir = build_idefics3(tmp_path / "vlm", vision={"num_hidden_layers": LAYERS})
+@pytest.mark.parametrize("family", sorted(TOWERS))
+def test_a_new_images_tower_runs_a_layer_a_step_while_the_batch_decodes(tmp_path, family):
+    model_dir = TOWERS[family](tmp_path / "vlm")
     registry = ModelRegistry.load(str(model_dir))
     spec = SpeculativeEngine(registry, SpecConfig(enable_pld=False), cost=COST)
     engine = BatchedSpeculativeEngine(registry, spec.speculation, prefill_step_size=64)
@@ -69,7 +80,8 @@ def test_a_new_images_tower_runs_a_layer_a_step_while_the_batch_decodes(tmp_path
         assert text == reference([png(seed)], PROMPT, max_tokens)
 
 
-async def test_a_hidden_state_drafter_leaves_image_prompts_exact(tmp_path):
+@pytest.mark.parametrize("build", [build_idefics3, build_qwen2_5_vl], ids=["idefics3", "qwen"])
+async def test_a_hidden_state_drafter_leaves_image_prompts_exact(tmp_path, build):
     """An EAGLE-3 speculator reads the target's hidden states, the image rows' too (the
     taps see the forward fed input embeddings): it drafts for image requests alone and
     in the batch, beside a text request, and greedy output stays mlx-vlm's."""
@@ -79,7 +91,7 @@ async def test_a_hidden_state_drafter_leaves_image_prompts_exact(tmp_path):
     from tests.conftest import make_client, start_scheduler
     from tests.test_vision import answer, chat_body
 
-    model_dir = build_idefics3(tmp_path / "vlm")
+    model_dir = build(tmp_path / "vlm")
     drafter = write_eagle3(tmp_path / "eagle3", model_dir, aux_ids=[0, 1, 1], draft_vocab=0)
     scheduler = start_scheduler(
         model_dir, draft_model=str(drafter), draft_kind="eagle3", prefix_cache_entries=0

@@ -14,6 +14,7 @@ import numpy as np
 
 from engines.model.demo_vision import build_gemma3 as build_gemma
 from engines.model.demo_vision import build_idefics3 as build_vlm
+from engines.model.demo_vision import build_qwen_vl
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 
@@ -34,7 +35,24 @@ def build_smolvlm_tiles(out: Path) -> Path:
     return build_idefics3(out, tiles=2)
 
 
-FAMILIES = {"idefics3": build_idefics3, "gemma3": build_gemma3, "tiles": build_smolvlm_tiles}
+def build_qwen2_5_vl(out: Path, vision: dict | None = None) -> Path:
+    """The tests' tiny Qwen2.5-VL: 3-D rotary positions, 4-16 image tokens per image
+    on a grid shaped like the image (`vision`: tower settings, e.g. its depth)."""
+    return build_qwen_vl(out, SHARED, vision=vision)
+
+
+def build_qwen2_vl(out: Path) -> Path:
+    """The tests' tiny Qwen2-VL (its own vision tower; the same language half)."""
+    return build_qwen_vl(out, SHARED, family="qwen2_vl")
+
+
+FAMILIES = {
+    "idefics3": build_idefics3,
+    "gemma3": build_gemma3,
+    "tiles": build_smolvlm_tiles,
+    "qwen2_5_vl": build_qwen2_5_vl,
+    "qwen2_vl": build_qwen2_vl,
+}
 
 
 def png(seed: int, size: tuple[int, int] = (40, 50)) -> bytes:

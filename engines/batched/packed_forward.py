@@ -9,8 +9,9 @@ So a prompt prefills in chunks small enough that a decoding row's next token nev
 waits long, and the rows' tokens cost little beside the chunk.
 
 Supported: decoder blocks of the llama and qwen2 shape (pre-norm attention and MLP,
-RoPE at the cache's offset), full attention only, one process; `supports_packing`
-says so. Anything else prefills in chunks alternating with decode steps.
+RoPE at the cache's offset, or Qwen-VL's 3-D positions read from the cache rows:
+`engines.model.mrope`), full attention only, one process; `supports_packing` says so.
+Anything else prefills in chunks alternating with decode steps.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from mlx_lm.models import llama, qwen2
 from mlx_lm.models.base import create_attention_mask
 
 from engines.cache.ragged_cache import RaggedKVCache, feed_rows
+from engines.model.mrope import MRopeModel, is_mrope_block, rotate
 from engines.platform.cpu_attention import attention_of
 
 _BLOCKS = (llama.TransformerBlock, qwen2.TransformerBlock)
@@ -31,13 +33,15 @@ def supports_packing(model: Any) -> bool:
     """Whether `packed_logits` computes exactly what `model(inputs, cache)` would."""
     model = getattr(model, "_model", model)  # a GuardedModel's model
     inner = getattr(model, "model", None)
-    if type(model) not in (llama.Model, qwen2.Model) or inner is None:
+    if type(model) not in (llama.Model, qwen2.Model, MRopeModel) or inner is None:
         return False
     if getattr(inner, "pipeline_size", 1) != 1:
         return False
     layers = getattr(inner, "layers", [])
     return bool(layers) and all(
-        type(layer) in _BLOCKS and not getattr(layer, "use_sliding", False) for layer in layers
+        (type(layer) in _BLOCKS or is_mrope_block(layer))
+        and not getattr(layer, "use_sliding", False)
+        for layer in layers
     )
 
 
@@ -88,8 +92,11 @@ def _block(layer: Any, flat: mx.array, shapes: list, masks: list, caches: list) 
                 (values, attention.n_kv_heads),
             )
         )
-        q = attention.rope(q, offset=cache.offset)
-        k = attention.rope(k, offset=cache.offset)
+        if hasattr(attention, "rotary_emb"):  # Qwen-VL's: each row's 3-D positions
+            q, k = rotate(attention, q, k, cache, flat)
+        else:
+            q = attention.rope(q, offset=cache.offset)
+            k = attention.rope(k, offset=cache.offset)
         k, v = cache.update_and_fetch(k, v)
         out = attend(q, k, v, cache=cache, scale=attention.scale, mask=mask)
         outputs.append(out.transpose(0, 2, 1, 3).reshape(batch * length, -1))

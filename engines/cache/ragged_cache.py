@@ -54,12 +54,16 @@ class RaggedKVCache:
         values: mx.array | None = None,
         window: int | None = None,
         starts: list[int] | None = None,
+        positions: list | None = None,
     ) -> None:
         self.lengths = list(lengths)
         self.keys = keys
         self.values = values
         self.window = window  # a sliding-window layer's size; None: full attention
         self.starts = list(starts) if starts is not None else [0] * len(self.lengths)
+        # per row, its tokens' 3-D rotary positions where its prompt has images and the
+        # model takes them (`engines.model.mrope.RowPositions`); None: at their indices
+        self.positions = list(positions) if positions is not None else [None] * len(self.lengths)
         # per row, a length a later rollback must reach, however far it writes past it
         # meanwhile (`pinned`: a chain of one-token draft forwards); None: none
         self.pins: list[int] | None = None
@@ -159,7 +163,9 @@ class RaggedKVCache:
 
     def take(self, rows: list[int]) -> RaggedKVCache:
         """A new cache of copies of `rows`, in that order; this one is unchanged."""
-        taken = RaggedKVCache(self.lengths, self.keys, self.values, self.window, self.starts)
+        taken = RaggedKVCache(
+            self.lengths, self.keys, self.values, self.window, self.starts, self.positions
+        )
         taken.filter(rows)
         return taken
 
@@ -167,6 +173,7 @@ class RaggedKVCache:
         """Keep only `rows`, in that order (a copy of the kept rows)."""
         self.lengths = [self.lengths[i] for i in rows]
         self.starts = [self.starts[i] for i in rows]
+        self.positions = [self.positions[i] for i in rows]
         if not rows:
             self.keys = self.values = None
         if self.keys is not None:
@@ -179,6 +186,7 @@ class RaggedKVCache:
         """Append `other`'s rows after this cache's rows."""
         assert self.window == other.window, "rows of one layer share its window"
         self.starts += other.starts
+        self.positions += other.positions
         if other.keys is None and self.keys is None:
             self.lengths += other.lengths
             return
@@ -199,6 +207,8 @@ class RaggedKVCache:
         if self.window is not None:
             return self.take([row])
         cache = KVCache()
+        if self.positions[row] is not None:
+            cache.rope_positions = self.positions[row]
         length = self.lengths[row]
         if length and self.keys is not None:
             cache.keys = mx.contiguous(self.keys[row : row + 1, :, :length])
@@ -224,7 +234,12 @@ class RaggedKVCache:
     def _row(cls, cache: KVCache | RotatingKVCache) -> RaggedKVCache:
         keys, values = _positions(cache)
         held = 0 if keys is None else keys.shape[2]
-        row = cls([cache.offset], window=_window_of(cache), starts=[cache.offset - held])
+        row = cls(
+            [cache.offset],
+            window=_window_of(cache),
+            starts=[cache.offset - held],
+            positions=[getattr(cache, "rope_positions", None)],
+        )
         if held:
             capacity = _round_up(held, cls.step)
             row.keys, row.values = _pad_to(keys, capacity), _pad_to(values, capacity)

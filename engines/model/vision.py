@@ -11,9 +11,9 @@ rows (`engines.prompt_images`).
 
 Supported: the families whose language model uses plain 1-D positions and a causal
 mask, so the language half is exactly an mlx-lm model -- Idefics3 and SmolVLM (Llama),
-Gemma-3 (mlx-lm's Gemma-3, windowed layers included; mlx-vlm runs it causally too).
-Qwen-VL's 3-D rotary positions are not yet: such checkpoints load text-only through
-mlx-lm, as before, and say so.
+Gemma-3 (mlx-lm's Gemma-3, windowed layers included; mlx-vlm runs it causally too) --
+and Qwen2-VL / Qwen2.5-VL, whose 3-D rotary positions ride with each row's cache
+(`engines.model.mrope`). Other families load text-only through mlx-lm and say so.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from engines.model.mrope import qwen_vl_text
+
 log = logging.getLogger(__name__)
 
 
@@ -40,6 +42,9 @@ class ImageSpan:
 
     ids: list[int]
     inputs: dict[str, np.ndarray]
+    # (t, h, w) of its tokens on the image's merged grid, for models that place them
+    # there (Qwen-VL's 3-D positions: `engines.model.mrope`); None: at their indices
+    grid: tuple[int, int, int] | None = None
 
 
 @dataclass
@@ -50,6 +55,7 @@ class ImageExpansion:
     text: str
     image_tokens: int
     inputs: dict[str, np.ndarray]
+    grid: tuple[int, int, int] | None = None  # as `ImageSpan.grid`
 
 
 class _Recording:
@@ -98,8 +104,15 @@ class VisionParts:
         # what a chat template writes per image: Gemma-3's begin-of-image token, else
         # the image token itself (Idefics3's <image>)
         self.marker = getattr(processor, "boi_token", None) or processor.image_token
-        self.image_token_id = int(vlm.config.image_token_index)
-        self.encoder = tower_encoder(vlm)  # whose `layers` `stage` records, if found
+        config = vlm.config
+        self.image_token_id = int(
+            getattr(config, "image_token_index", None) or config.image_token_id
+        )
+        # the tower's encoder and its list of layers, which `stage` records, if found
+        self.encoder, self.encoder_list = tower_encoder(vlm)
+        # Qwen-VL's 3-D positions: image tokens sit on the grid merged by this factor
+        self.merge = getattr(config.vision_config, "spatial_merge_size", 1)
+        self.mrope = model_type in MROPE_MODELS
 
     def expand(self, image: Any) -> ImageExpansion:
         """The marker's expansion for one PIL image, and its pixel inputs."""
@@ -111,7 +124,11 @@ class VisionParts:
         text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         keep = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
         inputs = {k: np.array(v) for k, v in out.items() if k not in keep and v is not None}
-        return ImageExpansion(text, ids.count(self.image_token_id), inputs)
+        grid = None
+        if self.mrope:
+            t, h, w = (int(n) for n in inputs["image_grid_thw"].reshape(-1))
+            grid = (t, h // self.merge, w // self.merge)
+        return ImageExpansion(text, ids.count(self.image_token_id), inputs, grid)
 
     def embed_text(self, ids: list[int]) -> mx.array:
         """Text tokens' input embeddings (n, hidden), as mlx-vlm makes them."""
@@ -124,15 +141,15 @@ class VisionParts:
         computed a tower layer at a time (`TowerStages.advance`). A prompt's images go
         through the tower together, as mlx-vlm's processor batches them: a GEMM's
         rounding depends on its batch, and greedy output on the last bit."""
-        encoder, recorded = self.encoder, []
+        encoder, name, recorded = self.encoder, self.encoder_list, []
         if encoder is not None:
-            original = list(encoder.layers)
-            encoder.layers = [_Recording(layer, recorded) for layer in original]
+            original = list(getattr(encoder, name))
+            setattr(encoder, name, [_Recording(layer, recorded) for layer in original])
         try:
             result = self._embed_lazily(spans)
         finally:
             if encoder is not None:
-                encoder.layers = original
+                setattr(encoder, name, original)
         return TowerStages([*recorded, result], result)
 
     def _embed_lazily(self, spans: list[ImageSpan]) -> list[mx.array]:
@@ -152,15 +169,19 @@ class VisionParts:
         ]
 
 
-def tower_encoder(vlm: Any) -> Any:
-    """The vision tower's encoder (the module holding its `layers`), or None: without
-    it a tower is evaluated whole, in one step."""
+def tower_encoder(vlm: Any) -> tuple[Any, str]:
+    """The vision tower's encoder (the module holding its list of layers: SigLIP's
+    `encoder.layers`, Qwen-VL's `vision_tower.blocks`) and that list's name, or None:
+    without it a tower is evaluated whole, in one step."""
     for name, module in vlm.named_modules():
         top = name.split(".")[0]
         if top in ("vision_model", "vision_tower") and name.endswith("encoder"):
             if isinstance(getattr(module, "layers", None), list):
-                return module
-    return None
+                return module, "layers"
+    tower = getattr(vlm, "vision_tower", None)
+    if isinstance(getattr(tower, "blocks", None), list):
+        return tower, "blocks"
+    return None, "layers"
 
 
 def llama_text(vlm: Any) -> tuple[nn.Module, list]:
@@ -194,8 +215,16 @@ def gemma3_text(vlm: Any) -> tuple[nn.Module, list]:
 # are (1, images and tiles, ...), Gemma-3's (images, ...))
 IMAGE_AXIS = {"idefics3": 1, "smolvlm": 1}
 
-# model_type -> its language half as an mlx-lm model over mlx-vlm's weights
-TEXT_MODELS = {"idefics3": llama_text, "smolvlm": llama_text, "gemma3": gemma3_text}
+# model_type -> its language half as an mlx-lm model over mlx-vlm's weights, or (3-D
+# positions) mlx-vlm's own layers behind mlx-lm's interface
+TEXT_MODELS = {
+    "idefics3": llama_text,
+    "smolvlm": llama_text,
+    "gemma3": gemma3_text,
+    "qwen2_vl": qwen_vl_text,
+    "qwen2_5_vl": qwen_vl_text,
+}
+MROPE_MODELS = ("qwen2_vl", "qwen2_5_vl")
 SUPPORTED = tuple(TEXT_MODELS)
 
 
@@ -230,7 +259,7 @@ def load_vision_model(folder: str, config: dict) -> tuple[Any, Any, VisionParts]
     vlm = load_vlm(path)
     processor = load_processor(path, add_detokenizer=False)
     model, weights = TEXT_MODELS[config["model_type"]](vlm)
-    if quantization := config.get("quantization"):
+    if weights and (quantization := config.get("quantization")):
         names = {name for name, _ in weights}
         nn.quantize(
             model,
@@ -238,7 +267,8 @@ def load_vision_model(folder: str, config: dict) -> tuple[Any, Any, VisionParts]
             bits=quantization["bits"],
             class_predicate=lambda prefix, _: f"{prefix}.scales" in names,
         )
-    model.load_weights(weights)  # the same arrays: the language half is held once
+    if weights:
+        model.load_weights(weights)  # the same arrays: the language half is held once
     model.eval()
     eos = config.get("eos_token_id")
     tokenizer = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)

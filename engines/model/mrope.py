@@ -1,0 +1,188 @@
+"""Qwen-VL's language half: 3-D rotary positions (M-RoPE) that travel with each row.
+
+Qwen2-VL and Qwen2.5-VL rotate every token by a (time, height, width) position. A
+text token's three are equal; an image token's are its place on the image's merged
+grid; and text after an image goes on from the image's largest position plus one, so
+its position trails its index in the sequence by a fixed `shift`. The positions of a
+row's tokens are therefore a property of the prompt, fixed when it is rendered
+(`RowPositions`, made by `prompt_positions` from the images' grids), and a row's KV
+cache carries them (`RaggedKVCache.positions`, a single-sequence cache's
+`rope_positions`) through every path that moves a row -- the batch's joins and
+leaves, migration, prefill followers -- while the engines set them where a prompt's
+prefill runs (`attach`). A row without images is at its index, as in any text model.
+
+The layers, norm and head are mlx-vlm's own (no copy, nothing re-implemented): the
+forward here only gives them each row's position ids, as mlx-vlm's `generate` does,
+so greedy output is the same to the bit.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RowPositions:
+    """The 3-D positions of a prompt with images: `table` (3, n) for its first n
+    tokens (through its last image), then index + `shift` for every later token."""
+
+    table: np.ndarray
+    shift: int
+
+    def at(self, start: int, count: int) -> np.ndarray:
+        """(3, count) positions of the tokens at indices [start, start + count)."""
+        index = np.arange(start, start + count)
+        out = np.broadcast_to(index + self.shift, (3, count)).copy()
+        inside = index < self.table.shape[1]
+        out[:, inside] = self.table[:, index[inside]]
+        return out
+
+
+def prompt_positions(images: Sequence) -> RowPositions | None:
+    """A prompt's positions from its images (`PromptImage`s whose spans carry their
+    position `grid`), as mlx-vlm's `get_rope_index` computes them: text advances by
+    one, an image's tokens sit at (t, h, w) on its merged grid after the text before
+    it, and the text after it starts past the image's largest position. None when the
+    model places image tokens at their indices (no grids)."""
+    if not images or images[0].span.grid is None:
+        return None
+    parts, cursor, position = [], 0, 0
+    for image in images:
+        text = image.start - cursor
+        parts.append(np.broadcast_to(np.arange(text) + position, (3, text)))
+        position += text
+        axes = [np.arange(n) for n in image.span.grid]
+        grid = np.stack(np.meshgrid(*axes, indexing="ij")).reshape(3, -1) + position
+        if grid.shape[1] != image.end - image.start:
+            raise ValueError("an image's tokens do not fill its grid")
+        parts.append(grid)
+        position = int(grid.max()) + 1
+        cursor = image.end
+    table = np.concatenate(parts, axis=1).astype(np.int32)
+    return RowPositions(table, position - cursor)
+
+
+def attach(layers: list, row: int, positions: RowPositions | None) -> None:
+    """Give row `row` of a sequence's (or the batch's) per-layer caches its prompt's
+    positions. Idempotent: the engines call it before each prefill chunk."""
+    if positions is None:
+        return
+    for layer in layers:
+        if hasattr(layer, "positions"):  # a RaggedKVCache: one entry per row
+            layer.positions[row] = positions
+        elif hasattr(layer, "offset"):
+            layer.rope_positions = positions
+
+
+def row_positions_of(cache: Any) -> tuple[list[int], list[RowPositions | None]]:
+    """Each row's next index and its positions, read from one layer's cache."""
+    if hasattr(cache, "positions"):
+        return list(cache.lengths), list(cache.positions)
+    offset = cache.offset
+    starts = offset.tolist() if isinstance(offset, mx.array) else [int(offset)]
+    return starts, [getattr(cache, "rope_positions", None)] * len(starts)
+
+
+def position_ids(cache: Any, batch: int, count: int) -> mx.array:
+    """(3, B, count) position ids of the tokens a forward writes after each row's
+    cached ones."""
+    if cache is None:
+        return mx.broadcast_to(mx.arange(count)[None, None], (3, batch, count))
+    starts, positions = row_positions_of(cache)
+    if all(p is None for p in positions):
+        rows = mx.array(starts)[:, None] + mx.arange(count)[None]
+        return mx.broadcast_to(rows[None], (3, batch, count))
+    rows = [
+        np.broadcast_to(np.arange(start, start + count), (3, count))
+        if p is None
+        else p.at(start, count)
+        for start, p in zip(starts, positions, strict=True)
+    ]
+    return mx.array(np.stack(rows, axis=1).astype(np.int32))
+
+
+def rotate(attention: Any, q: mx.array, k: mx.array, cache: Any, like: mx.array) -> tuple:
+    """q and k (B, heads, L, dim) rotated at each row's positions, as mlx-vlm's Qwen-VL
+    attention rotates them under `MRopeBackbone` (cos/sin of the dtype of `like`, the
+    hidden states): for a forward that runs the blocks' parts itself (`packed_forward`)."""
+    positions = position_ids(cache, q.shape[0], q.shape[2])
+    rotary = attention.rotary_emb
+    if rotary.fused_apply:
+        return rotary.apply_rotary(q, k, positions, unsqueeze_dim=1)
+    cos, sin = rotary(like, positions)
+    language = sys.modules[type(attention).__module__]
+    return language.apply_multimodal_rotary_pos_emb(q, k, cos, sin, unqueeze_dim=1)
+
+
+def is_mrope_block(layer: Any) -> bool:
+    """A decoder block of mlx-vlm's Qwen-VL language half (what `rotate` serves)."""
+    return type(layer).__name__ == "Qwen2VLDecoderLayer" and hasattr(layer.self_attn, "rotary_emb")
+
+
+class MRopeBackbone(nn.Module):
+    """mlx-vlm's Qwen2 backbone called as mlx-lm's (`inputs, cache, input_embeddings`),
+    each row's position ids read from its cache."""
+
+    def __init__(self, backbone: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = backbone.embed_tokens
+        self.layers = backbone.layers
+        self.norm = backbone.norm
+
+    def __call__(
+        self, inputs: mx.array, cache: list | None = None, input_embeddings: mx.array | None = None
+    ) -> mx.array:
+        from mlx_vlm.models.base import create_attention_mask
+
+        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
+        cache = cache if cache is not None else [None] * len(self.layers)
+        mask = create_attention_mask(h, cache[0])
+        positions = position_ids(cache[0], h.shape[0], h.shape[1])
+        rotary = self.layers[0].self_attn.rotary_emb
+        # as mlx-vlm's own backbone: cos/sin once per forward, unless its kernel applies
+        embeddings = None if rotary.fused_apply else rotary(h, positions)
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            h = layer(h, mask, layer_cache, positions, embeddings)
+        return self.norm(h)
+
+
+class MRopeModel(nn.Module):
+    """Qwen2-VL's / Qwen2.5-VL's language half with mlx-lm's model interface."""
+
+    def __init__(self, language_model: nn.Module) -> None:
+        super().__init__()
+        self.args = language_model.args
+        self.model_type = language_model.model_type
+        self.model = MRopeBackbone(language_model.model)
+        if not self.args.tie_word_embeddings:
+            self.lm_head = language_model.lm_head
+
+    def __call__(
+        self, inputs: mx.array, cache: list | None = None, input_embeddings: mx.array | None = None
+    ) -> mx.array:
+        out = self.model(inputs, cache, input_embeddings)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(out)
+        return self.lm_head(out)
+
+    @property
+    def layers(self) -> list:
+        return self.model.layers
+
+    def make_cache(self) -> list:
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in self.layers]
+
+
+def qwen_vl_text(vlm: Any) -> tuple[nn.Module, list]:
+    """The language half of mlx-vlm's Qwen2-VL / Qwen2.5-VL, sharing its modules (and
+    so its weights); no weights to load."""
+    return MRopeModel(vlm.language_model), []

@@ -48,8 +48,8 @@ def chunk_embeddings(vision: Any, rows: list[Chunk]) -> mx.array | None:
         parts = [row_embeddings(vision, seq, start, ids)] if ids else []
         if len(ids) < width:
             parts.append(vision.embed_text([0] * (width - len(ids))))
-        embedded.append(mx.concatenate(parts) if len(parts) > 1 else parts[0])
-    return mx.stack(embedded)
+        embedded.append(mx.concatenate(parts, axis=-2) if len(parts) > 1 else parts[0])
+    return mx.stack(embedded, axis=-3)  # (B, T, hidden), or deepstack's (1 + D, B, T, hidden)
 
 
 def advance_towers(vision: Any, rows: list[Chunk]) -> set[int]:
@@ -102,13 +102,13 @@ def row_embeddings(vision: Any, seq: Sequence, start: int, ids: list[int]) -> mx
         while index not in seq.image_embeddings:  # not staged: the whole tower now
             tower_step(vision, seq, index)
         features = seq.image_embeddings[index]
-        parts.append(features[low - image.start : high - image.start])
+        parts.append(features[..., low - image.start : high - image.start, :])
         if high == image.end:  # its last row is fed: a later chunk never needs it
             del seq.image_embeddings[index]
         position = high
     if position < end:
         parts.append(vision.embed_text(ids[position - start :]))
-    return mx.concatenate(parts) if len(parts) > 1 else parts[0]
+    return mx.concatenate(parts, axis=-2) if len(parts) > 1 else parts[0]
 
 
 def check_images(request: GenerationRequest) -> None:

@@ -16,7 +16,7 @@ from server.images import ImageLimits, image_from_data_url
 from server.prompts import render_chat
 from tests.conftest import make_client, start_scheduler
 from tests.test_vision import answer, mlx_vlm_reference
-from tests.vlm_models import build_qwen2_5_vl, data_url, png
+from tests.vlm_models import FAMILIES, build_qwen2_5_vl, data_url, png
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +24,9 @@ def qwen_dir(tmp_path_factory):
     return build_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
 
 
-def test_prompt_positions_equal_mlx_vlms_rope_index(qwen_dir):
-    registry = ModelRegistry.load(str(qwen_dir))
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_prompt_positions_equal_mlx_vlms_rope_index(family, tmp_path):
+    registry = ModelRegistry.load(str(FAMILIES[family](tmp_path / family)))
     vision, limits = registry.target.vision, ImageLimits()
     images = PromptImages(vision, limits)
     # a wide image (2x3 grid), then a tall one (a different grid): both shift later text

@@ -14,6 +14,7 @@ import numpy as np
 
 from engines.model.demo_vision import build_gemma3 as build_gemma
 from engines.model.demo_vision import build_idefics3 as build_vlm
+from engines.model.demo_vision import build_qwen3_vl as build_qwen3
 from engines.model.demo_vision import build_qwen_vl
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
@@ -46,12 +47,18 @@ def build_qwen2_vl(out: Path) -> Path:
     return build_qwen_vl(out, SHARED, family="qwen2_vl")
 
 
+def build_qwen3_vl(out: Path) -> Path:
+    """The tests' tiny Qwen3-VL: interleaved 3-D positions and a deepstack layer."""
+    return build_qwen3(out, SHARED)
+
+
 FAMILIES = {
     "idefics3": build_idefics3,
     "gemma3": build_gemma3,
     "tiles": build_smolvlm_tiles,
     "qwen2_5_vl": build_qwen2_5_vl,
     "qwen2_vl": build_qwen2_vl,
+    "qwen3_vl": build_qwen3_vl,
 }
 
 

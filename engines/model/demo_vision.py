@@ -254,17 +254,8 @@ def build_qwen_vl(
     (later text's positions trail its index)."""
     import importlib
 
-    from mlx_vlm.utils import update_module_configs
-    from transformers import AutoTokenizer
-
     module = importlib.import_module(f"mlx_vlm.models.{family}")
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
-    tokenizer.chat_template = QWEN_TEMPLATE
-    tokenizer.save_pretrained(str(out))
-    vocab = len(tokenizer)
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_TOKENS}
+    vocab, ids, eos = _qwen_tokenizer(out, tokenizer_dir)
     config = {
         "model_type": family,
         "hidden_size": 64,
@@ -282,7 +273,7 @@ def build_qwen_vl(
         "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"],
         "vision_end_token_id": ids["<|vision_end|>"],
-        "eos_token_id": [tokenizer.eos_token_id, ids["<|im_end|>"]],
+        "eos_token_id": eos,
         "vision_config": {**QWEN_TOWERS[family], **(vision or {}), "model_type": family},
     }
     (out / "config.json").write_text(json.dumps(config))
@@ -303,9 +294,30 @@ def build_qwen_vl(
     }
     (out / "preprocessor_config.json").write_text(json.dumps(processor))
     processor_class = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen2_vl": "Qwen2VLProcessor"}
+    processor_class["qwen3_vl"] = "Qwen3VLProcessor"
     (out / "processor_config.json").write_text(
         json.dumps({"processor_class": processor_class[family]})
     )
+    return _save_qwen(out, module, config, seed)
+
+
+def _qwen_tokenizer(out: Path, tokenizer_dir: Path) -> tuple[int, dict, list[int]]:
+    """`tokenizer_dir`'s tokenizer with Qwen's vision and turn tokens and template,
+    saved in `out`: (vocabulary size, the added tokens' ids, end-of-reply ids)."""
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
+    tokenizer.chat_template = QWEN_TEMPLATE
+    tokenizer.save_pretrained(str(out))
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_TOKENS}
+    return len(tokenizer), ids, [tokenizer.eos_token_id, ids["<|im_end|>"]]
+
+
+def _save_qwen(out: Path, module, config: dict, seed: int) -> Path:
+    from mlx_vlm.utils import update_module_configs
+
     mx.random.seed(seed)
     params = dict(config)  # from_dict files the text settings under text_config
     model_config = module.ModelConfig.from_dict(params)
@@ -313,3 +325,78 @@ def build_qwen_vl(
     model = module.Model(model_config)
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     return out
+
+
+def build_qwen3_vl(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen3 language model with interleaved 3-D rotary positions, and a
+    2-block Qwen3-VL vision tower whose first block's features are also added to the
+    language model's first layer (deepstack), random weights, and Qwen3-VL's image
+    processor (16-pixel patches) between 64x64 and 128x128 pixels: the tests' 40x50
+    images are a 2x3 grid of image tokens."""
+    from mlx_vlm.models import qwen3_vl
+
+    vocab, ids, eos = _qwen_tokenizer(out, tokenizer_dir)
+    text = {
+        "model_type": "qwen3_vl_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 5_000_000.0,
+        "rope_scaling": {
+            "rope_type": "default",
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+        },
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "vocab_size": vocab,
+    }
+    vision = {
+        "model_type": "qwen3_vl",
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "num_heads": 2,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [0],
+        "in_channels": 3,
+    }
+    config = {
+        "model_type": "qwen3_vl",
+        "text_config": text,
+        "vision_config": vision,
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": eos,
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    processor = {
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "rescale_factor": 1 / 255,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128},
+        "min_pixels": 64 * 64,
+        "max_pixels": 128 * 128,
+        "patch_size": 16,
+        "merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(processor))
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
+    return _save_qwen(out, qwen3_vl, config, seed)

@@ -1,6 +1,6 @@
 """Qwen-VL's language half: 3-D rotary positions (M-RoPE) that travel with each row.
 
-Qwen2-VL and Qwen2.5-VL rotate every token by a (time, height, width) position. A
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL rotate every token by a (time, height, width) position. A
 text token's three are equal; an image token's are its place on the image's merged
 grid; and text after an image goes on from the image's largest position plus one, so
 its position trails its index in the sequence by a fixed `shift`. The positions of a
@@ -13,7 +13,9 @@ prefill runs (`attach`). A row without images is at its index, as in any text mo
 
 The layers, norm and head are mlx-vlm's own (no copy, nothing re-implemented): the
 forward here only gives them each row's position ids, as mlx-vlm's `generate` does,
-so greedy output is the same to the bit.
+so greedy output is the same to the bit. Qwen3-VL also adds the tower's features to
+its first layers' outputs at the image tokens (deepstack): a chunk with images then
+carries them beside its embeddings (`VisionParts.embed_text`'s shape).
 """
 
 from __future__ import annotations
@@ -141,20 +143,29 @@ class MRopeBackbone(nn.Module):
     ) -> mx.array:
         from mlx_vlm.models.base import create_attention_mask
 
-        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
+        deepstack = ()
+        if input_embeddings is None:
+            h = self.embed_tokens(inputs)
+        elif input_embeddings.ndim == 4:  # Qwen3-VL: (1 + D, B, T, hidden)
+            h, deepstack = input_embeddings[0], input_embeddings[1:]
+        else:
+            h = input_embeddings
         cache = cache if cache is not None else [None] * len(self.layers)
         mask = create_attention_mask(h, cache[0])
         positions = position_ids(cache[0], h.shape[0], h.shape[1])
         rotary = self.layers[0].self_attn.rotary_emb
         # as mlx-vlm's own backbone: cos/sin once per forward, unless its kernel applies
         embeddings = None if rotary.fused_apply else rotary(h, positions)
-        for layer, layer_cache in zip(self.layers, cache, strict=True):
+        for index, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):
             h = layer(h, mask, layer_cache, positions, embeddings)
-        return self.norm(h)
+            if index < len(deepstack):  # what mlx-vlm adds at the image tokens' rows
+                h = h + deepstack[index]
+        return h if self.norm is None else self.norm(h)
 
 
 class MRopeModel(nn.Module):
-    """Qwen2-VL's / Qwen2.5-VL's language half with mlx-lm's model interface."""
+    """Qwen2-VL's, Qwen2.5-VL's or Qwen3-VL's language half with mlx-lm's model
+    interface."""
 
     def __init__(self, language_model: nn.Module) -> None:
         super().__init__()
@@ -183,6 +194,6 @@ class MRopeModel(nn.Module):
 
 
 def qwen_vl_text(vlm: Any) -> tuple[nn.Module, list]:
-    """The language half of mlx-vlm's Qwen2-VL / Qwen2.5-VL, sharing its modules (and
+    """The language half of mlx-vlm's Qwen2-VL / Qwen2.5-VL / Qwen3-VL, sharing its modules (and
     so its weights); no weights to load."""
     return MRopeModel(vlm.language_model), []

@@ -113,6 +113,8 @@ class VisionParts:
         # Qwen-VL's 3-D positions: image tokens sit on the grid merged by this factor
         self.merge = getattr(config.vision_config, "spatial_merge_size", 1)
         self.mrope = model_type in MROPE_MODELS
+        # Qwen3-VL's deepstack: tower features also added after the first layers
+        self.deepstack = len(getattr(config.vision_config, "deepstack_visual_indexes", ()) or ())
 
     def expand(self, image: Any) -> ImageExpansion:
         """The marker's expansion for one PIL image, and its pixel inputs."""
@@ -131,9 +133,14 @@ class VisionParts:
         return ImageExpansion(text, ids.count(self.image_token_id), inputs, grid)
 
     def embed_text(self, ids: list[int]) -> mx.array:
-        """Text tokens' input embeddings (n, hidden), as mlx-vlm makes them."""
+        """Text tokens' input embeddings (n, hidden), as mlx-vlm makes them; with
+        deepstack, (1 + layers, n, hidden), text adding nothing to those layers."""
         tokens = mx.array(ids, dtype=mx.int32)[None]
-        return self.vlm.get_input_embeddings(tokens, None).inputs_embeds[0]
+        embeds = self.vlm.get_input_embeddings(tokens, None).inputs_embeds[0]
+        if not self.deepstack:
+            return embeds
+        extra = mx.zeros((self.deepstack, *embeds.shape), embeds.dtype)
+        return mx.concatenate([embeds[None], extra])
 
     def stage(self, spans: list[ImageSpan]) -> TowerStages:
         """Each span's input embeddings (n, hidden) -- its text tokens' own embeddings
@@ -162,11 +169,23 @@ class VisionParts:
         pixels = inputs.pop("pixel_values")
         mask = mx.ones(ids.shape, dtype=mx.int32)  # Gemma-3's asks for one; all attend
         embedded = self.vlm.get_input_embeddings(ids, pixels, mask=mask, **inputs)
+        embeds = embedded.inputs_embeds[0]
+        if self.deepstack:
+            embeds = self._with_deepstack(embeds, ids[0], embedded.deepstack_visual_embeds)
         ends = list(accumulate(len(span.ids) for span in spans))
         return [
-            embedded.inputs_embeds[0, end - len(span.ids) : end]
-            for span, end in zip(spans, ends, strict=True)
+            embeds[..., end - len(span.ids) : end, :] for span, end in zip(spans, ends, strict=True)
         ]
+
+    def _with_deepstack(self, embeds: mx.array, ids: mx.array, deep: Any) -> mx.array:
+        """(1 + layers, n, hidden): the embeddings, then per deepstack layer what is
+        added to its output -- the tower's features in the image tokens' rows, zero
+        elsewhere (adding zero leaves a text row's state as it was, bit for bit)."""
+        deep = mx.stack(list(deep)) if isinstance(deep, list | tuple) else deep
+        visual = mx.array(np.flatnonzero(np.array(ids) == self.image_token_id), dtype=mx.uint32)
+        dense = mx.zeros((self.deepstack, *embeds.shape), embeds.dtype)
+        dense[:, visual] = deep.astype(embeds.dtype)
+        return mx.concatenate([embeds[None], dense])
 
 
 def tower_encoder(vlm: Any) -> tuple[Any, str]:
@@ -223,8 +242,9 @@ TEXT_MODELS = {
     "gemma3": gemma3_text,
     "qwen2_vl": qwen_vl_text,
     "qwen2_5_vl": qwen_vl_text,
+    "qwen3_vl": qwen_vl_text,
 }
-MROPE_MODELS = ("qwen2_vl", "qwen2_5_vl")
+MROPE_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 SUPPORTED = tuple(TEXT_MODELS)
 
 

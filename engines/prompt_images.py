@@ -53,25 +53,36 @@ def chunk_embeddings(vision: Any, rows: list[Chunk]) -> mx.array | None:
 
 
 def advance_towers(vision: Any, rows: list[Chunk]) -> set[int]:
-    """One step of the vision tower for each row whose chunk reaches an image not yet
-    embedded (a layer of it: `TowerStages`); returns the rows that must wait another
-    step before their chunk is fed. The batch's other rows decode meanwhile, so an
-    image delays them by a layer's time at a step, as a long prompt's chunk would."""
-    waiting = set()
-    for row, (seq, start, ids) in enumerate(rows):
-        index = first_missing(seq, start, len(ids))
-        if vision is not None and index is not None and not tower_step(vision, seq, index):
-            waiting.add(row)
-    return waiting
+    """One step of the vision tower (a layer of one tower batch: `TowerStages`) for
+    one of the rows whose chunk reaches an image not yet embedded -- the one whose
+    tower is furthest along, else the first -- and returns the rows that must wait
+    another step before their chunk is fed. The batch's other rows decode meanwhile,
+    so new images delay them by one layer's time at a step, however many arrive
+    together, as a long prompt's chunk would."""
+    needing = {
+        row: index
+        for row, (seq, start, ids) in enumerate(rows)
+        if (index := first_missing(seq, start, len(ids))) is not None
+    }
+    if vision is None or not needing:
+        return set()
+    started = [row for row in needing if rows[row][0].image_stage is not None]
+    chosen = started[0] if started else min(needing)
+    seq, start, ids = rows[chosen]
+    if tower_step(vision, seq, needing[chosen]) and first_missing(seq, start, len(ids)) is None:
+        del needing[chosen]  # every image its chunk reaches is in: it is fed now
+    return set(needing)
 
 
 def tower_step(vision: Any, seq: Sequence, index: int) -> bool:
     """One step (a tower layer, or the final merge) of the embeddings of the request's
-    image `index` and every later one, through the vision tower together (as mlx-vlm
-    batches them); True once they are in `seq.image_embeddings`."""
+    image `index` and the later ones that fit one tower batch with it
+    (`VisionParts.tower_batch`: as mlx-vlm batches a prompt's images, up to the
+    operator's bound), through the vision tower together; True once they are in
+    `seq.image_embeddings`."""
     if seq.image_stage is None or seq.image_stage[0] != index:
         later = [image.span for image in seq.request.images[index:]]
-        seq.image_stage = (index, vision.stage(later))
+        seq.image_stage = (index, vision.stage(later[: vision.tower_batch(later)]))
     stages = seq.image_stage[1]
     stages.advance()
     if not stages.ready:

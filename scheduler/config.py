@@ -67,6 +67,9 @@ class SchedulerConfig:
     # Extra logits processors per request (constrained decoding; tests force outputs).
     logits_processor_factory: Callable[[GenerationRequest], list] | None = None
     prefill_step_size: int = 2048
+    # pixels a vision model's tower encodes in one batch (--max-tower-pixels; None: its
+    # default, engines.model.vision.TOWER_PIXELS)
+    max_tower_pixels: int | None = None
     cost_model: CostModel | None = None  # None: measure verify costs at startup
     throughput_model: ThroughputModel | None = None  # None: measure decode rates online
 

@@ -92,6 +92,8 @@ def load_model(config: SchedulerConfig) -> Loaded:
         config.gguf_dtype,
         config.distributed,
     )
+    if registry.target.vision is not None and config.max_tower_pixels is not None:
+        registry.target.vision.tower_pixels = config.max_tower_pixels
     if kind not in (None, "model"):
         registry.feature_drafter = load_feature_drafter(config.draft_model, kind, registry.target)
         log.info("drafter: %s", registry.feature_drafter.describe())

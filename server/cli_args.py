@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from engines.model.vision import TOWER_PIXELS
 from server.config import DEFAULT_MAX_TOKENS
 from server.image_urls import parse_url_hosts
 from server.images import ImageLimits
@@ -330,6 +331,15 @@ def add_image_flags(parser: argparse.ArgumentParser) -> None:
         default=ImageLimits.max_images,
         metavar="N",
         help="images one request may carry (400 above)",
+    )
+    parser.add_argument(
+        "--max-tower-pixels",
+        type=int,
+        default=TOWER_PIXELS,
+        metavar="N",
+        help="pixels a vision model's tower encodes in one batch: a request's images "
+        "beyond it are encoded in later batches, so one batched step runs one tower layer "
+        "over at most this much (a prompt within it is encoded exactly as mlx-vlm does)",
     )
     parser.add_argument(
         "--allow-image-urls",

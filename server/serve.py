@@ -152,6 +152,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
             prefix_cache_dir=args.prefix_cache_dir,
             prefix_cache_disk_bytes=int(args.prefix_cache_disk_gb * (1 << 30)),
             prefill_follow_min_tokens=max(0, args.prefill_follow_min_tokens),
+            max_tower_pixels=max(1, args.max_tower_pixels),
             max_kv_bytes=None if args.max_kv_gb is None else int(args.max_kv_gb * (1 << 30)),
             request_timeout=args.request_timeout,
             fault_marker=args.inject_fault_on,

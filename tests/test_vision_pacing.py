@@ -111,3 +111,85 @@ async def test_a_hidden_state_drafter_leaves_image_prompts_exact(tmp_path, build
     assert answer(together[1]) == reference([], "The little dog", 12)
     drafted = [r.json()["speculation"]["draft_tokens"] for r in (alone, *together)]
     assert all(count > 0 for count in drafted), drafted  # it drafted for every one
+
+
+def test_a_step_runs_one_tower_layer_of_one_bounded_batch(tmp_path):
+    """Two requests of two images each arrive together beside a decoding one, with
+    --max-tower-pixels at one image: each image is its own tower batch, and no step
+    runs more than one tower layer (before, each arriving row advanced its own tower
+    in the same step, all its images at once)."""
+    from engines.model.vision import TowerStages
+
+    model_dir = TOWERS["idefics3"](tmp_path / "vlm")
+    registry = ModelRegistry.load(str(model_dir))
+    vision = registry.target.vision
+    spec = SpeculativeEngine(registry, SpecConfig(enable_pld=False), cost=COST)
+    engine = BatchedSpeculativeEngine(registry, spec.speculation, prefill_step_size=64)
+    registry.transfer(engine.name)
+    first = image_request(registry, "first", 27, 40)
+    pairs = {"two": (31, 32), "three": (33, 34)}
+    requests = [two_image_request(registry, rid, seeds, 8) for rid, seeds in pairs.items()]
+    vision.tower_pixels = requests[0].images[0].span.inputs["pixel_values"].size // 3
+    texts = {"first": "", "two": "", "three": ""}
+    batches, advanced = [], []
+    stage, advance = vision.stage, TowerStages.advance
+
+    def counted_stage(spans):
+        batches.append(len(spans))
+        return stage(spans)
+
+    def counted_advance(self):
+        advanced[-1] += 1
+        return advance(self)
+
+    vision.stage = counted_stage
+    TowerStages.advance = counted_advance
+    try:
+        engine.admit(make_sequence(first, registry.tokenizer))
+        for _ in range(6):
+            advanced.append(0)
+            for output in engine.step().outputs:
+                texts[output.request_id] += output.text
+        for request in requests:
+            engine.admit(make_sequence(request, registry.tokenizer))
+        while engine.batch_size:
+            advanced.append(0)
+            for output in engine.step().outputs:
+                texts[output.request_id] += output.text
+    finally:
+        TowerStages.advance = advance
+    assert batches == [1, 1, 1, 1, 1]  # the first request's image, then one per image
+    assert max(advanced) == 1, advanced  # one tower layer (or merge) a step
+    assert sum(advanced) == 5 * (LAYERS + 1)
+    reference = mlx_vlm_reference(model_dir)
+    assert texts["first"] == reference([png(27)], PROMPT, 40)
+    assert all(texts[rid] for rid in pairs), texts  # served, images encoded apart
+
+
+def two_image_request(registry: ModelRegistry, rid: str, seeds: tuple, max_tokens: int):
+    limits = ImageLimits()
+    images = PromptImages(registry.target.vision, limits)
+    parts = [
+        images.add(image_from_data_url(data_url(png(seed)), limits, "image"), "image")
+        for seed in seeds
+    ]
+    messages = [{"role": "user", "content": "".join(parts) + PROMPT}]
+    rendered = render_chat(registry.tokenizer, messages, images=images)
+    located = images.locate(rendered.ids)
+    return GenerationRequest(rid, tuple(rendered.ids), max_tokens, GREEDY, images=located)
+
+
+def test_the_tower_bound_comes_from_the_serve_flag(tmp_path):
+    from server.cli import build_parser
+    from server.serve import build_config
+    from tests.conftest import start_scheduler
+
+    model_dir = build_idefics3(tmp_path / "vlm")
+    args = build_parser().parse_args(["serve", str(model_dir), "--max-tower-pixels", "1234"])
+    config = build_config(args).scheduler
+    assert config.max_tower_pixels == 1234
+    scheduler = start_scheduler(model_dir, max_tower_pixels=config.max_tower_pixels)
+    try:
+        assert scheduler.registry.target.vision.tower_pixels == 1234
+    finally:
+        scheduler.stop()

@@ -113,6 +113,8 @@ class VisionParts:
         # Qwen-VL's 3-D positions: image tokens sit on the grid merged by this factor
         self.merge = getattr(config.vision_config, "spatial_merge_size", 1)
         self.mrope = model_type in MROPE_MODELS
+        # pixels one tower batch encodes (--max-tower-pixels); set once at start-up
+        self.tower_pixels = TOWER_PIXELS
         # Qwen3-VL's deepstack: tower features also added after the first layers
         self.deepstack = len(getattr(config.vision_config, "deepstack_visual_indexes", ()) or ())
 
@@ -141,6 +143,19 @@ class VisionParts:
             return embeds
         extra = mx.zeros((self.deepstack, *embeds.shape), embeds.dtype)
         return mx.concatenate([embeds[None], extra])
+
+    def tower_batch(self, spans: list[ImageSpan]) -> int:
+        """How many of `spans` (at least one) go through the tower together: as many
+        as fit `tower_pixels`, counted as the pixel values the tower reads over three
+        channels. A prompt whose images fit is encoded as mlx-vlm encodes it (one
+        batch: the same bits); beyond that, in batches, so one step of the tower --
+        the longest step a new image adds to the batch's others -- stays bounded."""
+        total = 0
+        for count, span in enumerate(spans):
+            total += span.inputs["pixel_values"].size // 3
+            if total > self.tower_pixels and count:
+                return count
+        return len(spans)
 
     def stage(self, spans: list[ImageSpan]) -> TowerStages:
         """Each span's input embeddings (n, hidden) -- its text tokens' own embeddings
@@ -229,6 +244,10 @@ def gemma3_text(vlm: Any) -> tuple[nn.Module, list]:
     ]
     return gemma3.Model(args), weights
 
+
+# pixels (values over 3 channels) one vision tower batch reads, by default: SmolVLM's
+# largest image (17 tiles of 512x512) alone, or a few of Qwen-VL's 1024x1024 images
+TOWER_PIXELS = 4 << 20
 
 # model_type -> the axis of its processor's pixel inputs that counts images (Idefics3's
 # are (1, images and tiles, ...), Gemma-3's (images, ...))

@@ -52,6 +52,11 @@ def build_qwen3_vl(out: Path) -> Path:
     return build_qwen3(out, SHARED)
 
 
+def build_qwen3_vl_moe(out: Path) -> Path:
+    """The same with Qwen3-VL-MoE's experts (the 30B-A3B's family)."""
+    return build_qwen3(out, SHARED, moe=True)
+
+
 FAMILIES = {
     "idefics3": build_idefics3,
     "gemma3": build_gemma3,
@@ -59,6 +64,7 @@ FAMILIES = {
     "qwen2_5_vl": build_qwen2_5_vl,
     "qwen2_vl": build_qwen2_vl,
     "qwen3_vl": build_qwen3_vl,
+    "qwen3_vl_moe": build_qwen3_vl_moe,
 }
 
 

@@ -327,17 +327,20 @@ def _save_qwen(out: Path, module, config: dict, seed: int) -> Path:
     return out
 
 
-def build_qwen3_vl(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """A 2-layer Qwen3 language model with interleaved 3-D rotary positions, and a
-    2-block Qwen3-VL vision tower whose first block's features are also added to the
-    language model's first layer (deepstack), random weights, and Qwen3-VL's image
-    processor (16-pixel patches) between 64x64 and 128x128 pixels: the tests' 40x50
-    images are a 2x3 grid of image tokens."""
-    from mlx_vlm.models import qwen3_vl
+def build_qwen3_vl(out: Path, tokenizer_dir: Path, seed: int = 0, moe: bool = False) -> Path:
+    """A 2-layer Qwen3 language model with interleaved 3-D rotary positions (with
+    `moe`, Qwen3-VL-MoE's: 4 experts, 2 a token), and a 2-block Qwen3-VL vision tower
+    whose first block's features are also added to the language model's first layer
+    (deepstack), random weights, and Qwen3-VL's image processor (16-pixel patches)
+    between 64x64 and 128x128 pixels: the tests' 40x50 images are a 2x3 grid of
+    image tokens."""
+    import importlib
 
+    family = "qwen3_vl_moe" if moe else "qwen3_vl"
+    module = importlib.import_module(f"mlx_vlm.models.{family}")
     vocab, ids, eos = _qwen_tokenizer(out, tokenizer_dir)
     text = {
-        "model_type": "qwen3_vl_text",
+        "model_type": f"{family}_text",
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_attention_heads": 4,
@@ -355,8 +358,11 @@ def build_qwen3_vl(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
         "tie_word_embeddings": False,
         "vocab_size": vocab,
     }
+    if moe:
+        text |= {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1}
+        text |= {"mlp_only_layers": [], "moe_intermediate_size": 32}
     vision = {
-        "model_type": "qwen3_vl",
+        "model_type": family,
         "depth": 2,
         "hidden_size": 32,
         "intermediate_size": 64,
@@ -370,7 +376,7 @@ def build_qwen3_vl(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
         "in_channels": 3,
     }
     config = {
-        "model_type": "qwen3_vl",
+        "model_type": family,
         "text_config": text,
         "vision_config": vision,
         "vocab_size": vocab,
@@ -399,4 +405,4 @@ def build_qwen3_vl(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     }
     (out / "preprocessor_config.json").write_text(json.dumps(processor))
     (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
-    return _save_qwen(out, qwen3_vl, config, seed)
+    return _save_qwen(out, module, config, seed)

@@ -262,8 +262,9 @@ TEXT_MODELS = {
     "qwen2_vl": qwen_vl_text,
     "qwen2_5_vl": qwen_vl_text,
     "qwen3_vl": qwen_vl_text,
+    "qwen3_vl_moe": qwen_vl_text,
 }
-MROPE_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+MROPE_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 SUPPORTED = tuple(TEXT_MODELS)
 
 

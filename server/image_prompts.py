@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from functools import partial
 from typing import Any
 
 import anyio.from_thread
@@ -64,6 +65,10 @@ class PromptImages:
         self.sentinel = SENTINEL.format(secrets.token_hex(8))
         self.images: list[ImageInput] = []
         self.omitted = 0  # images a text-only model was sent
+        # earlier requests' images a stored conversation brings back (`adopt`): per
+        # stand-in, its images in order, None where one no longer fits the limit
+        self.earlier: dict[str, list[ImageInput | None]] = {}
+        self._adopted = 0  # how many of `images` (the first) are adopted ones
         self._expanded: list[ImageExpansion] = []
 
     @property
@@ -99,17 +104,44 @@ class PromptImages:
         image = anyio.from_thread.run(image_from_reference, url, self.limits, param)
         return self.add(image, param)
 
+    def adopt(self, earlier: tuple[tuple[str, tuple[ImageInput | None, ...]], ...]) -> None:
+        """Take back the images of a stored conversation (`stored`: earlier requests'
+        stand-ins with their images, oldest first), which come before this request's
+        own in the prompt. The newest that fit `--max-images-per-request` beside this
+        request's own are read again; older ones read as a placeholder."""
+        if self.vision is None or not earlier:
+            return
+        flat = [(sentinel, image) for sentinel, group in earlier for image in group]
+        live = [k for k, (_, image) in enumerate(flat) if image is not None]
+        room = max(0, self.limits.max_images - len(self.images))
+        keep = set(live[len(live) - room :]) if room else set()
+        for k, (sentinel, image) in enumerate(flat):
+            self.earlier.setdefault(sentinel, []).append(image if k in keep else None)
+        self.images[:0] = [flat[k][1] for k in sorted(keep)]
+        self._adopted = len(keep)
+
+    def stored(self) -> tuple[tuple[str, tuple[ImageInput | None, ...]], ...]:
+        """What a stored response keeps of the images, for `adopt`: each stand-in with
+        its images in place (None: read as a placeholder from now on), the earlier
+        ones' first, then this request's own."""
+        groups = [*self.earlier.items(), (self.sentinel, self.images[self._adopted :])]
+        return tuple(
+            (sentinel, tuple(images))
+            for sentinel, images in groups
+            if any(image is not None for image in images)
+        )
+
     def as_parts(self, messages: list[dict]) -> list[dict]:
         """The messages with text content as typed parts, an image part where each
         sentinel was: the form vision models' chat templates read."""
-        converted = []
+        converted, seen = [], dict.fromkeys(self.earlier, 0)
         for message in messages:
             content = message.get("content")
             if content is None or isinstance(content, str):
                 parts: list[dict] = []
-                # an earlier request's images (a stored Responses conversation) are
-                # not kept: they read as the placeholder
-                content = ANY_SENTINEL.sub(self._earlier, content or "")
+                # an earlier request's image (a stored Responses conversation) is read
+                # again where it was adopted, else it reads as the placeholder
+                content = ANY_SENTINEL.sub(partial(self._earlier, seen), content or "")
                 for index, piece in enumerate(content.split(self.sentinel)):
                     if index:
                         parts.append({"type": "image"})
@@ -119,8 +151,15 @@ class PromptImages:
             converted.append(message)
         return converted
 
-    def _earlier(self, match: re.Match) -> str:
-        return match[0] if match[0] == self.sentinel else EARLIER_IMAGE
+    def _earlier(self, seen: dict[str, int], match: re.Match) -> str:
+        """This request's stand-in for an adopted earlier image, in its place."""
+        sentinel = match[0]
+        if sentinel == self.sentinel:
+            return sentinel
+        images = self.earlier.get(sentinel, [])
+        index = seen.get(sentinel, 0)
+        seen[sentinel] = index + 1
+        return self.sentinel if index < len(images) and images[index] is not None else EARLIER_IMAGE
 
     def expansions(self) -> list[ImageExpansion]:
         """Each image's marker expansion (the processor runs once per image)."""

@@ -376,3 +376,31 @@ async def test_reference_dispatches_data_urls() -> None:
     data = encode("WEBP")
     image = await image_from_reference(data_url(data, "image/webp"), LIMITS, PARAM)
     assert image.media_type == "image/webp"
+
+
+def test_a_stored_conversation_keeps_its_newest_images_within_the_limit() -> None:
+    """`PromptImages.adopt`: earlier turns' images come back before this request's
+    own, the newest that fit --max-images-per-request; older ones read as the
+    placeholder, in their places, and stay so in what is stored next."""
+    from server.image_prompts import EARLIER_IMAGE, SENTINEL, PromptImages
+
+    limits = ImageLimits(max_images=2)
+    first, second, third, own = (
+        image_from_data_url(
+            f"data:image/png;base64,{base64.b64encode(encode('PNG', (4 + i, 4))).decode()}",
+            limits,
+            "image",
+        )
+        for i in range(4)
+    )
+    images = PromptImages(vision=object(), limits=limits)  # a model that reads images
+    mine = images.add(own, "input")
+    a, b = SENTINEL.format("a" * 16), SENTINEL.format("b" * 16)  # two earlier requests'
+    images.adopt(((a, (first, second)), (b, (third,))))
+    assert images.images == [third, own]  # prompt order: the earlier turn's, then own
+    text = f"one {a} two {a} three {b} now {mine}"
+    parts = images.as_parts([{"role": "user", "content": text}])[0]["content"]
+    kinds = [p["type"] if p["type"] == "image" else p["text"] for p in parts]
+    placeholder = f"one {EARLIER_IMAGE} two {EARLIER_IMAGE} three "
+    assert kinds == [placeholder, "image", " now ", "image"]
+    assert images.stored() == ((b, (third,)), (mine, (own,)))

@@ -239,6 +239,53 @@ async def test_anthropic_and_responses_surfaces_carry_images(vlm_scheduler, vlm_
     assert response.json()["output"][0]["content"][0]["text"] == expected
 
 
+async def test_a_responses_follow_up_still_sees_the_earlier_image(vlm_scheduler, vlm_reference):
+    """Turn two names turn one by previous_response_id and sends only text: the
+    stored conversation brings its image back, so the model still reads it. (Turn
+    one's answer is held to a schema: a random model's free text holds image tokens
+    and broken bytes that would not read back as the same tokens.)"""
+    image, follow_up = png(22), "And then the dog"
+    answer_schema = {"type": "string", "enum": ["The dog ran home."]}
+    first_body = {
+        "max_output_tokens": 16,
+        "temperature": 0,
+        "text": {"format": {"type": "json_schema", "name": "answer", "schema": answer_schema}},
+        "input": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": data_url(image)},
+                    {"type": "input_text", "text": PROMPT},
+                ],
+            }
+        ],
+    }
+    async with make_client(vlm_scheduler) as client:
+        first = await client.post("/v1/responses", json=first_body)
+        assert first.status_code == 200, first.text
+        second = await client.post(
+            "/v1/responses",
+            json={
+                "max_output_tokens": 10,
+                "temperature": 0,
+                "previous_response_id": first.json()["id"],
+                "input": follow_up,
+            },
+        )
+    assert second.status_code == 200, second.text
+    reply = first.json()["output"][0]["content"][0]["text"]
+    assert reply == '"The dog ran home."'
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]},
+        {"role": "assistant", "content": [{"type": "text", "text": reply}]},
+        {"role": "user", "content": [{"type": "text", "text": follow_up}]},
+    ]
+    expected = vlm_reference([image], "", 10, messages=messages)
+    assert second.json()["output"][0]["content"][0]["text"] == expected
+    cached = second.json()["usage"]["input_tokens_details"]["cached_tokens"]
+    assert cached > 4  # turn one's prompt, its image included, from the prefix cache
+
+
 def truncated_png() -> bytes:
     data = png(12)
     return data[: len(data) // 2]

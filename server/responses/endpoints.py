@@ -109,13 +109,15 @@ def not_found(response_id: str, param: str | None = None) -> ApiError:
     )
 
 
-def previous_conversation(store: ResponseStore, scope: str, response_id: str | None) -> list[dict]:
+def previous_response(
+    store: ResponseStore, scope: str, response_id: str | None
+) -> StoredResponse | None:
     if response_id is None:
-        return []
+        return None
     entry = store.get(scope, response_id)
     if entry is None:
         raise not_found(response_id, "previous_response_id")
-    return entry.messages()
+    return entry
 
 
 def final_status(event: TokenEvent) -> str:
@@ -150,6 +152,7 @@ class ResponsesJob:
     seal: Callable[[str], str] | None = None  # reasoning -> encrypted_content, if asked
     created_at: int = field(default_factory=lambda: int(time.time()))
     forced: bool = False  # tool_choice forces a call
+    images: tuple = ()  # the conversation's images, as the stored response keeps them
 
 
 def response_object(
@@ -196,10 +199,13 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
     schema = responses_text_format(body.text.format if body.text else None)
     config, info = config_of(request), model_info_of(request)
     scope = scope_of(request)
-    conversation = previous_conversation(store_of(request), scope, body.previous_response_id)
+    previous = previous_response(store_of(request), scope, body.previous_response_id)
+    conversation = previous.messages() if previous is not None else []
     sealer = sealer_of(request)
     images = PromptImages(info.vision, config.image_limits)
     take_images(body, images)
+    images.adopt(previous.images if previous is not None else ())  # the earlier turns'
+
     report_omitted(request, images, "responses")
     conversation += normalize_input(body.input, opener=partial(sealer.open, scope))
     if not conversation:
@@ -252,13 +258,15 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
         toolset,
         seal,
         forced=forced[0],
+        images=images.stored(),
     )
 
 
 def remember(store: ResponseStore, job: ResponsesJob, items: list[dict], result: dict) -> None:
     if job.body.store:
         conversation = [*job.conversation, assistant_turn(items)]
-        store.put(job.scope, job.gen.request_id, StoredResponse.of(conversation, result))
+        entry = StoredResponse.of(conversation, result, job.images)
+        store.put(job.scope, job.gen.request_id, entry)
 
 
 def sse_event(payload: dict) -> str:

@@ -13,6 +13,7 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_STORE_SIZE = 256
 DEFAULT_STORE_BYTES = 32 << 20
@@ -28,14 +29,18 @@ def compact_json(value: object) -> bytes:
 class StoredResponse:
     conversation: bytes  # JSON: every turn so far, the model's output included; no instructions
     body: bytes  # JSON: the response object, as GET returns it
+    # the conversation's images: each request's stand-in text (`PromptImages.sentinel`)
+    # with its images in order, so a later turn's model still sees them
+    images: tuple[tuple[str, tuple[Any, ...]], ...] = ()
 
     @classmethod
-    def of(cls, conversation: list[dict], body: dict) -> StoredResponse:
-        return cls(compact_json(conversation), compact_json(body))
+    def of(cls, conversation: list[dict], body: dict, images: tuple = ()) -> StoredResponse:
+        return cls(compact_json(conversation), compact_json(body), images)
 
     @property
     def size(self) -> int:
-        return len(self.conversation) + len(self.body)
+        pictures = sum(len(i.data) for _, group in self.images for i in group if i is not None)
+        return len(self.conversation) + len(self.body) + pictures
 
     def messages(self) -> list[dict]:
         return json.loads(self.conversation)

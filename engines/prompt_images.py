@@ -8,7 +8,7 @@ text tokens' embeddings, and in an image's rows mlx-vlm's merged embeddings
 (`VisionParts.stage`). The vision tower runs once per image and request, on the
 engine thread, before the first chunk that reaches an image, for that image and the
 prompt's later ones together (as mlx-vlm batches them: the same rounding): in the
-batch a layer per step (`advance_towers`), alone all at once. Each result waits on
+batch and alone a layer per step (`advance_towers`). Each result waits on
 the request's `Sequence` until the chunk that takes the image's last row, then goes.
 """
 

@@ -193,3 +193,32 @@ def test_the_tower_bound_comes_from_the_serve_flag(tmp_path):
         assert scheduler.registry.target.vision.tower_pixels == 1234
     finally:
         scheduler.stop()
+
+
+def test_alone_an_images_tower_also_runs_a_layer_a_step(tmp_path):
+    """The single-stream engine stages the tower too: each step runs one layer, so a
+    request arriving meanwhile waits for a layer, not the whole tower, before the
+    scheduler batches it."""
+    from engines.model.vision import TowerStages
+
+    model_dir = TOWERS["idefics3"](tmp_path / "vlm")
+    registry = ModelRegistry.load(str(model_dir))
+    engine = SpeculativeEngine(registry, SpecConfig(enable_pld=False), cost=COST)
+    registry.transfer(engine.name)
+    engine.admit(make_sequence(image_request(registry, "alone", 35, 12), registry.tokenizer))
+    advanced, advance = [], TowerStages.advance
+
+    def counted_advance(self):
+        advanced[-1] += 1
+        return advance(self)
+
+    TowerStages.advance = counted_advance
+    text = ""
+    try:
+        while engine.active is not None:
+            advanced.append(0)
+            text += "".join(output.text for output in engine.step().outputs)
+    finally:
+        TowerStages.advance = advance
+    assert sum(advanced) == LAYERS + 1 and max(advanced) == 1, advanced
+    assert text == mlx_vlm_reference(model_dir)([png(35)], PROMPT, 12)

@@ -42,7 +42,7 @@ from engines.gating.measured_costs import PLAIN, CostModel
 from engines.interface import StepResult, starting_state
 from engines.model.registry import ModelRegistry
 from engines.prefill_pacing import PrefillPacer
-from engines.prompt_images import chunk_embeddings
+from engines.prompt_images import advance_towers, chunk_embeddings
 from engines.request import at_checkpoint, next_checkpoint
 from engines.sample.acceptance import accept_greedy
 from engines.sample.logprobs import token_logprob, token_logprobs
@@ -274,9 +274,14 @@ class SpeculativeEngine:
         end = active.seq.prefill_stop(active.cached, end)
         started = time.perf_counter()
         ids = active.tokens[active.cached : end][: self.pacer.next_chunk(False)]
-        chunk = mx.array(ids)
         vision = self.registry.target.vision
-        embeddings = chunk_embeddings(vision, [(active.seq, active.cached, ids)])
+        rows = [(active.seq, active.cached, ids)]
+        if active.seq.request.images and advance_towers(vision, rows):
+            # a layer of the vision tower this step: a request that arrives meanwhile
+            # is batched at the next step, not after the whole tower
+            return
+        chunk = mx.array(ids)
+        embeddings = chunk_embeddings(vision, rows)
         feeds_mtp = self._feeds_mtp(active)
         if embeddings is not None and not feeds_mtp:
             self.model(chunk[None], cache=active.cache, input_embeddings=embeddings)

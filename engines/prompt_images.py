@@ -34,6 +34,18 @@ def covers_image(seq: Sequence, start: int, count: int) -> bool:
     return any(reaches(image, start, count) for image in seq.request.images)
 
 
+def whole_images(vision: Any, seq: Sequence, start: int, stop: int) -> int:
+    """Where a prompt chunk from `start` ends, so that it holds each image it reaches
+    whole, for models whose image tokens attend both ways (Gemma-4): before an image
+    it would cut, or past its end when the chunk starts with it. Others: `stop`."""
+    if vision is None or not vision.bidirectional:
+        return stop
+    for image in seq.request.images:
+        if image.start < stop < image.end:
+            return image.start if image.start > start else image.end
+    return stop
+
+
 def chunk_embeddings(vision: Any, rows: list[Chunk]) -> mx.array | None:
     """Input embeddings (B, T, hidden) for rows fed their ids (padded with id 0 at the
     end to the widest, as `feed_rows` pads them), or None when no row's chunk reaches

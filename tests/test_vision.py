@@ -546,3 +546,28 @@ async def test_the_same_image_prompt_sent_twice_at_once_is_prefilled_once(idefic
     # whichever of the two came second followed the other's prefill
     assert max(cached[:2]) >= prompt_tokens - 2 and sum(follows.values()) >= 1, (cached, follows)
     assert cached[2] < prompt_tokens - 10  # the history at most, never the other image
+
+
+async def test_small_chunks_never_split_an_image_that_attends_both_ways(tmp_path):
+    """Gemma-4's image tokens attend to each other both ways, so an image must be
+    inside one forward: with prompt chunks of 16 tokens (an image is ~60), alone and
+    in the batch, each chunk still takes an image whole, and output stays mlx-vlm's."""
+    from tests.vlm_models import build_gemma4
+
+    vlm_dir = build_gemma4(tmp_path / "gemma4")
+    reference = mlx_vlm_reference(vlm_dir)
+    scheduler = start_scheduler(
+        vlm_dir, prefill_step_size=16, batch_prefill_step_size=16, prefix_cache_entries=0
+    )
+    try:
+        async with make_client(scheduler) as client:
+            alone = await client.post("/v1/chat/completions", json=chat_body([png(23)]))
+            together = await asyncio.gather(
+                client.post("/v1/chat/completions", json=chat_body([png(24), png(25)])),
+                client.post("/v1/chat/completions", json=chat_body([png(26)])),
+            )
+    finally:
+        scheduler.stop()
+    assert answer(alone) == reference([png(23)], PROMPT, 12)
+    assert answer(together[0]) == reference([png(24), png(25)], PROMPT, 12)
+    assert answer(together[1]) == reference([png(26)], PROMPT, 12)

@@ -12,10 +12,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from engines.model.demo_qwen_vl import build_qwen3_vl as build_qwen3
+from engines.model.demo_qwen_vl import build_qwen_vl
 from engines.model.demo_vision import build_gemma3 as build_gemma
+from engines.model.demo_vision import build_gemma4 as build_gemma_4
 from engines.model.demo_vision import build_idefics3 as build_vlm
-from engines.model.demo_vision import build_qwen3_vl as build_qwen3
-from engines.model.demo_vision import build_qwen_vl
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 
@@ -28,6 +29,11 @@ def build_idefics3(out: Path, **options) -> Path:
 def build_gemma3(out: Path) -> Path:
     """The tests' tiny Gemma-3 (a sliding-window layer and a global one)."""
     return build_gemma(out, SHARED)
+
+
+def build_gemma4(out: Path) -> Path:
+    """The tests' tiny Gemma-4: per-layer inputs, image tokens attending both ways."""
+    return build_gemma_4(out, SHARED)
 
 
 def build_smolvlm_tiles(out: Path) -> Path:
@@ -60,6 +66,7 @@ def build_qwen3_vl_moe(out: Path) -> Path:
 FAMILIES = {
     "idefics3": build_idefics3,
     "gemma3": build_gemma3,
+    "gemma4": build_gemma4,
     "tiles": build_smolvlm_tiles,
     "qwen2_5_vl": build_qwen2_5_vl,
     "qwen2_vl": build_qwen2_vl,

@@ -25,7 +25,7 @@ from engines.batched.drafting import BatchRow, DraftModelRows
 from engines.batched.verify import accept_rows, commit_row, process_rows
 from engines.cache.ragged_cache import RaggedKVCache, feed_rows, remove_rows
 from engines.faults import check
-from engines.prompt_images import advance_towers, chunk_embeddings
+from engines.prompt_images import advance_towers, chunk_embeddings, whole_images
 from engines.request import at_checkpoint, next_checkpoint
 from engines.sequence import StepOutput
 from engines.state import SequenceState
@@ -171,7 +171,7 @@ def prefill_chunk(
     (`prompt_images`, with the model's `vision` half)."""
     before = list(group.cache[0].held)
     chunks = [
-        r.tokens[held : min(_prefill_end(r, held, checkpoints.at_positions), held + chunk)]
+        r.tokens[held : _chunk_end(r, held, chunk, checkpoints.at_positions, vision)]
         for r, held in zip(group.rows, before, strict=True)
     ]
     towers = [(r.seq, held, ids) for r, held, ids in zip(group.rows, before, chunks, strict=True)]
@@ -196,6 +196,13 @@ def prefill_chunk(
     checkpoints.taken += group.checkpoints(before, checkpoints.at_positions, drafter)
     ready = [i for i, row in enumerate(group.rows) if group.prefilled(i)]
     return ready, first_tokens(model, mtp, group, ready) if ready else []
+
+
+def _chunk_end(row: BatchRow, held: int, chunk: int, checkpoint: bool, vision: Any) -> int:
+    """Where the row's next chunk ends: `chunk` tokens on, or sooner at its prefill's
+    end, and never inside an image that attends both ways (`whole_images`)."""
+    stop = min(_prefill_end(row, held, checkpoint), held + chunk)
+    return whole_images(vision, row.seq, held, stop)
 
 
 def _prefill_end(row: BatchRow, held: int, checkpoint: bool) -> int:

@@ -12,8 +12,10 @@ rows (`engines.prompt_images`).
 Supported: the families whose language model uses plain 1-D positions and a causal
 mask, so the language half is exactly an mlx-lm model -- Idefics3 and SmolVLM (Llama),
 Gemma-3 (mlx-lm's Gemma-3, windowed layers included; mlx-vlm runs it causally too) --
-and Qwen2-VL / Qwen2.5-VL, whose 3-D rotary positions ride with each row's cache
-(`engines.model.mrope`). Other families load text-only through mlx-lm and say so.
+Qwen2-VL / Qwen2.5-VL / Qwen3-VL (and its MoE), whose 3-D rotary positions ride with
+each row's cache (`engines.model.mrope`), and Gemma-4, whose image tokens attend both
+ways (`engines.model.gemma4_images`). Other families load text-only through mlx-lm
+and say so.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from engines.model.gemma4_images import gemma4_text_model
 from engines.model.mrope import qwen_vl_text
 
 log = logging.getLogger(__name__)
@@ -102,8 +105,9 @@ class VisionParts:
         self.vlm = vlm  # mlx-vlm's whole model; its language half shares our weights
         self.processor = processor
         # what a chat template writes per image: Gemma-3's begin-of-image token, else
-        # the image token itself (Idefics3's <image>)
-        self.marker = getattr(processor, "boi_token", None) or processor.image_token
+        # the image token itself (Idefics3's <image>, Gemma-4's)
+        boi = None if model_type in EXPANDS_IMAGE_TOKEN else getattr(processor, "boi_token", None)
+        self.marker = boi or processor.image_token
         config = vlm.config
         self.image_token_id = int(
             getattr(config, "image_token_index", None) or config.image_token_id
@@ -113,6 +117,9 @@ class VisionParts:
         # Qwen-VL's 3-D positions: image tokens sit on the grid merged by this factor
         self.merge = getattr(config.vision_config, "spatial_merge_size", 1)
         self.mrope = model_type in MROPE_MODELS
+        # Gemma-4's image tokens attend both ways: a chunk never ends inside an image
+        text = getattr(config, "text_config", None)
+        self.bidirectional = getattr(text, "use_bidirectional_attention", None) == "vision"
         # pixels one tower batch encodes (--max-tower-pixels); set once at start-up
         self.tower_pixels = TOWER_PIXELS
         # Qwen3-VL's deepstack: tower features also added after the first layers
@@ -178,8 +185,7 @@ class VisionParts:
         axis = IMAGE_AXIS.get(self.model_type, 0)
         ids = mx.array([i for span in spans for i in span.ids], dtype=mx.int32)[None]
         inputs = {
-            name: mx.concatenate([mx.array(span.inputs[name]) for span in spans], axis=axis)
-            for name in spans[0].inputs
+            name: _joined([span.inputs[name] for span in spans], axis) for name in spans[0].inputs
         }
         pixels = inputs.pop("pixel_values")
         mask = mx.ones(ids.shape, dtype=mx.int32)  # Gemma-3's asks for one; all attend
@@ -201,6 +207,14 @@ class VisionParts:
         dense = mx.zeros((self.deepstack, *embeds.shape), embeds.dtype)
         dense[:, visual] = deep.astype(embeds.dtype)
         return mx.concatenate([embeds[None], dense])
+
+
+def _joined(arrays: list[np.ndarray], axis: int) -> Any:
+    """The images' inputs as mlx-vlm's processor hands a batch of them over: one array,
+    or a list where their sizes differ (Gemma-4 keeps each image's aspect)."""
+    if len({a.shape[:axis] + a.shape[axis + 1 :] for a in arrays}) > 1:
+        return [mx.array(a) for a in arrays]
+    return mx.concatenate([mx.array(a) for a in arrays], axis=axis)
 
 
 def tower_encoder(vlm: Any) -> tuple[Any, str]:
@@ -263,7 +277,10 @@ TEXT_MODELS = {
     "qwen2_5_vl": qwen_vl_text,
     "qwen3_vl": qwen_vl_text,
     "qwen3_vl_moe": qwen_vl_text,
+    "gemma4": gemma4_text_model,
 }
+# families whose processor expands the image token itself (not a begin-of-image one)
+EXPANDS_IMAGE_TOKEN = ("gemma4",)
 MROPE_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 SUPPORTED = tuple(TEXT_MODELS)
 

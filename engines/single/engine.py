@@ -42,7 +42,7 @@ from engines.gating.measured_costs import PLAIN, CostModel
 from engines.interface import StepResult, starting_state
 from engines.model.registry import ModelRegistry
 from engines.prefill_pacing import PrefillPacer
-from engines.prompt_images import advance_towers, chunk_embeddings
+from engines.prompt_images import advance_towers, chunk_embeddings, whole_images
 from engines.request import at_checkpoint, next_checkpoint
 from engines.sample.acceptance import accept_greedy
 from engines.sample.logprobs import token_logprob, token_logprobs
@@ -273,8 +273,9 @@ class SpeculativeEngine:
             end = next_checkpoint(active.seq.request, active.cached, end)
         end = active.seq.prefill_stop(active.cached, end)
         started = time.perf_counter()
-        ids = active.tokens[active.cached : end][: self.pacer.next_chunk(False)]
         vision = self.registry.target.vision
+        stop = min(end, active.cached + self.pacer.next_chunk(False))
+        ids = active.tokens[active.cached : whole_images(vision, active.seq, active.cached, stop)]
         rows = [(active.seq, active.cached, ids)]
         if active.seq.request.images and advance_towers(vision, rows):
             # a layer of the vision tower this step: a request that arrives meanwhile

@@ -1,0 +1,205 @@
+"""Tiny random-weight Qwen-VL models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE),
+built offline from mlx-vlm's own model classes with Qwen's image processors: for the
+tests of 3-D rotary positions and deepstack (`engines.model.mrope`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_TOKENS += ["<|im_start|>", "<|im_end|>"]
+# the two vision towers' settings, one block each
+_QWEN_TOWER = {"depth": 1, "num_heads": 2, "patch_size": 14, "spatial_patch_size": 14}
+_QWEN_TOWER |= {"spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
+QWEN_TOWERS = {
+    "qwen2_5_vl": {
+        **_QWEN_TOWER,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "window_size": 56,
+        "fullatt_block_indexes": [0],
+    },
+    "qwen2_vl": {**_QWEN_TOWER, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2},
+}
+# Qwen2.5-VL's template, shortened: turns, and the vision start/pad/end per image part.
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_qwen_vl(
+    out: Path,
+    tokenizer_dir: Path,
+    family: str = "qwen2_5_vl",
+    seed: int = 0,
+    vision: dict | None = None,
+) -> Path:
+    """A 2-layer Qwen2 language model with 3-D rotary positions (M-RoPE sections), a
+    1-block vision tower of `family` (Qwen2.5-VL's or Qwen2-VL's: 14-pixel patches, 2x2
+    merge) with random weights, and Qwen2-VL's image processor between 56x56 and
+    112x112 pixels: 4 to 16 image tokens per image, on a grid shaped like the image
+    (later text's positions trail its index)."""
+    import importlib
+
+    module = importlib.import_module(f"mlx_vlm.models.{family}")
+    vocab, ids, eos = _qwen_tokenizer(out, tokenizer_dir)
+    config = {
+        "model_type": family,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "vocab_size": vocab,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": eos,
+        "vision_config": {**QWEN_TOWERS[family], **(vision or {}), "model_type": family},
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    processor = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "rescale_factor": 1 / 255,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "min_pixels": 56 * 56,  # the tests' 40x50 images become 56x84: a 2x3 grid
+        "max_pixels": 112 * 112,
+        "patch_size": 14,
+        "merge_size": 2,
+        "temporal_patch_size": 2,
+        "resample": 3,
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(processor))
+    processor_class = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen2_vl": "Qwen2VLProcessor"}
+    processor_class["qwen3_vl"] = "Qwen3VLProcessor"
+    (out / "processor_config.json").write_text(
+        json.dumps({"processor_class": processor_class[family]})
+    )
+    return _save_qwen(out, module, config, seed)
+
+
+def _qwen_tokenizer(out: Path, tokenizer_dir: Path) -> tuple[int, dict, list[int]]:
+    """`tokenizer_dir`'s tokenizer with Qwen's vision and turn tokens and template,
+    saved in `out`: (vocabulary size, the added tokens' ids, end-of-reply ids)."""
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
+    tokenizer.chat_template = QWEN_TEMPLATE
+    tokenizer.save_pretrained(str(out))
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_TOKENS}
+    return len(tokenizer), ids, [tokenizer.eos_token_id, ids["<|im_end|>"]]
+
+
+def _save_qwen(out: Path, module, config: dict, seed: int) -> Path:
+    from mlx_vlm.utils import update_module_configs
+
+    mx.random.seed(seed)
+    params = dict(config)  # from_dict files the text settings under text_config
+    model_config = module.ModelConfig.from_dict(params)
+    model_config = update_module_configs(model_config, module, params, ["text", "vision"])
+    model = module.Model(model_config)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return out
+
+
+def build_qwen3_vl(out: Path, tokenizer_dir: Path, seed: int = 0, moe: bool = False) -> Path:
+    """A 2-layer Qwen3 language model with interleaved 3-D rotary positions (with
+    `moe`, Qwen3-VL-MoE's: 4 experts, 2 a token), and a 2-block Qwen3-VL vision tower
+    whose first block's features are also added to the language model's first layer
+    (deepstack), random weights, and Qwen3-VL's image processor (16-pixel patches)
+    between 64x64 and 128x128 pixels: the tests' 40x50 images are a 2x3 grid of
+    image tokens."""
+    import importlib
+
+    family = "qwen3_vl_moe" if moe else "qwen3_vl"
+    module = importlib.import_module(f"mlx_vlm.models.{family}")
+    vocab, ids, eos = _qwen_tokenizer(out, tokenizer_dir)
+    text = {
+        "model_type": f"{family}_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 5_000_000.0,
+        "rope_scaling": {
+            "rope_type": "default",
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+        },
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "vocab_size": vocab,
+    }
+    if moe:
+        text |= {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1}
+        text |= {"mlp_only_layers": [], "moe_intermediate_size": 32}
+    vision = {
+        "model_type": family,
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "num_heads": 2,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [0],
+        "in_channels": 3,
+    }
+    config = {
+        "model_type": family,
+        "text_config": text,
+        "vision_config": vision,
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": eos,
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    processor = {
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "rescale_factor": 1 / 255,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128},
+        "min_pixels": 64 * 64,
+        "max_pixels": 128 * 128,
+        "patch_size": 16,
+        "merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(processor))
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
+    return _save_qwen(out, module, config, seed)

@@ -217,15 +217,7 @@ async def test_anthropic_and_responses_surfaces_carry_images(vlm_scheduler, vlm_
     responses_body = {
         "max_output_tokens": 12,
         "temperature": 0,
-        "input": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "input_image", "image_url": data_url(image)},
-                    {"type": "input_text", "text": PROMPT},
-                ],
-            }
-        ],
+        "input": responses_input(image),
     }
     async with make_client(vlm_scheduler) as client:
         message = await client.post("/v1/messages", json=anthropic_body)
@@ -250,15 +242,7 @@ async def test_a_responses_follow_up_still_sees_the_earlier_image(vlm_scheduler,
         "max_output_tokens": 16,
         "temperature": 0,
         "text": {"format": {"type": "json_schema", "name": "answer", "schema": answer_schema}},
-        "input": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "input_image", "image_url": data_url(image)},
-                    {"type": "input_text", "text": PROMPT},
-                ],
-            }
-        ],
+        "input": responses_input(image),
     }
     async with make_client(vlm_scheduler) as client:
         first = await client.post("/v1/responses", json=first_body)
@@ -284,6 +268,15 @@ async def test_a_responses_follow_up_still_sees_the_earlier_image(vlm_scheduler,
     assert second.json()["output"][0]["content"][0]["text"] == expected
     cached = second.json()["usage"]["input_tokens_details"]["cached_tokens"]
     assert cached > 4  # turn one's prompt, its image included, from the prefix cache
+
+
+def responses_input(image: bytes) -> list[dict]:
+    """A Responses user turn: the image, then the prompt."""
+    content = [
+        {"type": "input_image", "image_url": data_url(image)},
+        {"type": "input_text", "text": PROMPT},
+    ]
+    return [{"role": "user", "content": content}]
 
 
 def truncated_png() -> bytes:

@@ -74,21 +74,9 @@ def build_qwen_vl(
         "vision_config": {**QWEN_TOWERS[family], **(vision or {}), "model_type": family},
     }
     (out / "config.json").write_text(json.dumps(config))
-    processor = {
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "do_resize": True,
-        "do_rescale": True,
-        "do_normalize": True,
-        "rescale_factor": 1 / 255,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "min_pixels": 56 * 56,  # the tests' 40x50 images become 56x84: a 2x3 grid
-        "max_pixels": 112 * 112,
-        "patch_size": 14,
-        "merge_size": 2,
-        "temporal_patch_size": 2,
-        "resample": 3,
-    }
+    # the tests' 40x50 images become 56x84: a 2x3 grid of image tokens
+    processor = _image_processor("Qwen2VLImageProcessor", CLIP_NORM, 14, 56, 112)
+    processor["resample"] = 3
     (out / "preprocessor_config.json").write_text(json.dumps(processor))
     processor_class = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen2_vl": "Qwen2VLProcessor"}
     processor_class["qwen3_vl"] = "Qwen3VLProcessor"
@@ -96,6 +84,29 @@ def build_qwen_vl(
         json.dumps({"processor_class": processor_class[family]})
     )
     return _save_qwen(out, module, config, seed)
+
+
+CLIP_NORM = ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
+
+
+def _image_processor(kind: str, norm: tuple, patch: int, low: int, high: int) -> dict:
+    """Qwen-VL's image processor settings: images resized between `low` and `high`
+    pixels a side (as areas), cut into `patch`-pixel patches merged 2x2."""
+    return {
+        "image_processor_type": kind,
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "rescale_factor": 1 / 255,
+        "image_mean": norm[0],
+        "image_std": norm[1],
+        "size": {"shortest_edge": low * low, "longest_edge": high * high},
+        "min_pixels": low * low,
+        "max_pixels": high * high,
+        "patch_size": patch,
+        "merge_size": 2,
+        "temporal_patch_size": 2,
+    }
 
 
 def _qwen_tokenizer(out: Path, tokenizer_dir: Path) -> tuple[int, dict, list[int]]:
@@ -185,21 +196,7 @@ def build_qwen3_vl(out: Path, tokenizer_dir: Path, seed: int = 0, moe: bool = Fa
         "eos_token_id": eos,
     }
     (out / "config.json").write_text(json.dumps(config))
-    processor = {
-        "image_processor_type": "Qwen2VLImageProcessorFast",
-        "do_resize": True,
-        "do_rescale": True,
-        "do_normalize": True,
-        "rescale_factor": 1 / 255,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128},
-        "min_pixels": 64 * 64,
-        "max_pixels": 128 * 128,
-        "patch_size": 16,
-        "merge_size": 2,
-        "temporal_patch_size": 2,
-    }
+    processor = _image_processor("Qwen2VLImageProcessorFast", ([0.5] * 3, [0.5] * 3), 16, 64, 128)
     (out / "preprocessor_config.json").write_text(json.dumps(processor))
     (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
     return _save_qwen(out, module, config, seed)

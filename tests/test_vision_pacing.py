@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 
 from engines.batched.engine import BatchedSpeculativeEngine
+from engines.batched.packed_forward import supports_packing
+from engines.model.demo_qwen_vl import build_qwen3_vl as build_qwen3
 from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest
 from engines.sequence import make_sequence
@@ -18,7 +20,7 @@ from server.images import ImageLimits, image_from_data_url
 from server.prompts import render_chat
 from tests.test_batched_speculation import COST, GREEDY
 from tests.test_vision import mlx_vlm_reference
-from tests.vlm_models import build_idefics3, build_qwen2_5_vl, data_url, png
+from tests.vlm_models import SHARED, build_idefics3, build_qwen2_5_vl, data_url, png
 
 LAYERS = 4  # the tower's depth here: 4 layers, then the projector and merge
 # (builder, the tower setting that gives it LAYERS layers): SigLIP's encoder layers,
@@ -28,6 +30,8 @@ TOWERS = {
     "qwen2_5_vl": lambda out: build_qwen2_5_vl(
         out, vision={"depth": LAYERS, "fullatt_block_indexes": [LAYERS - 1]}
     ),
+    # deepstack features taken after its first block, as lazily as the rest
+    "qwen3_vl": lambda out: build_qwen3(out, SHARED, vision={"depth": LAYERS}),
 }
 PROMPT = "Once upon a time"
 
@@ -70,10 +74,13 @@ def test_a_new_images_tower_runs_a_layer_a_step_while_the_batch_decodes(tmp_path
         if late_seq.image_stage is not None:
             staged.append(emitted)
     # a step a layer at least (the engine also takes plain decode steps between);
-    # decoding went on at all of them but the first, which is a prefill step of its own,
-    # as a text prompt's first chunk is
+    # where prefill packs into the rows' forward, decoding went on at all of them but
+    # the first, a prefill step of its own as a text prompt's first chunk is; where it
+    # cannot (Qwen3's blocks), prefill steps alternate with decode steps, as for text
     assert len(staged) >= LAYERS, staged
-    assert sum("first" in emitted for emitted in staged) >= len(staged) - 1, staged
+    decoded = sum("first" in emitted for emitted in staged)
+    packs = supports_packing(registry.target.model)
+    assert decoded >= (len(staged) - 1 if packs else len(staged) // 2), staged
     reference = mlx_vlm_reference(model_dir)
     for request_id, seed, max_tokens in (("first", 27, 24), ("late", 28, 12)):
         text = "".join(o.text for o in outputs[request_id])
@@ -222,3 +229,34 @@ def test_alone_an_images_tower_also_runs_a_layer_a_step(tmp_path):
         TowerStages.advance = advance
     assert sum(advanced) == LAYERS + 1 and max(advanced) == 1, advanced
     assert text == mlx_vlm_reference(model_dir)([png(35)], PROMPT, 12)
+
+
+def test_qwen3_vl_deepstack_is_staged_not_evaluated_up_front(tmp_path):
+    """mlx-vlm's Qwen3-VL embedding evaluates its deepstack features itself, which
+    would run the tower up to the last deepstack block at once (block 24 of 27 on the
+    real models); Tandem builds the same embeddings lazily, so `stage` evaluates
+    nothing and each step runs one block."""
+    import mlx.core as mx
+
+    model_dir = build_qwen3(
+        tmp_path / "qwen3", SHARED, vision={"depth": LAYERS, "deepstack_visual_indexes": [2]}
+    )
+    registry = ModelRegistry.load(str(model_dir))
+    request = image_request(registry, "deep", 36, 4)
+    evaluated, evaluate = [], mx.eval
+
+    def counted_eval(*arrays):
+        evaluated.append(len(arrays))
+        return evaluate(*arrays)
+
+    mx.eval = counted_eval
+    try:
+        stages = registry.target.vision.stage([image.span for image in request.images])
+    finally:
+        mx.eval = evaluate
+    assert evaluated == []
+    steps = 0
+    while not stages.ready:
+        stages.advance()
+        steps += 1
+    assert steps == LAYERS + 1

@@ -135,7 +135,13 @@ def _save_qwen(out: Path, module, config: dict, seed: int) -> Path:
     return out
 
 
-def build_qwen3_vl(out: Path, tokenizer_dir: Path, seed: int = 0, moe: bool = False) -> Path:
+def build_qwen3_vl(
+    out: Path,
+    tokenizer_dir: Path,
+    seed: int = 0,
+    moe: bool = False,
+    vision: dict | None = None,
+) -> Path:
     """A 2-layer Qwen3 language model with interleaved 3-D rotary positions (with
     `moe`, Qwen3-VL-MoE's: 4 experts, 2 a token), and a 2-block Qwen3-VL vision tower
     whose first block's features are also added to the language model's first layer
@@ -182,6 +188,7 @@ def build_qwen3_vl(out: Path, tokenizer_dir: Path, seed: int = 0, moe: bool = Fa
         "num_position_embeddings": 16,
         "deepstack_visual_indexes": [0],
         "in_channels": 3,
+        **(vision or {}),
     }
     config = {
         "model_type": family,

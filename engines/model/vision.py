@@ -188,15 +188,31 @@ class VisionParts:
             name: _joined([span.inputs[name] for span in spans], axis) for name in spans[0].inputs
         }
         pixels = inputs.pop("pixel_values")
-        mask = mx.ones(ids.shape, dtype=mx.int32)  # Gemma-3's asks for one; all attend
-        embedded = self.vlm.get_input_embeddings(ids, pixels, mask=mask, **inputs)
-        embeds = embedded.inputs_embeds[0]
         if self.deepstack:
-            embeds = self._with_deepstack(embeds, ids[0], embedded.deepstack_visual_embeds)
+            embeds = self._deepstack_lazily(ids, pixels, inputs["image_grid_thw"])
+        else:
+            mask = mx.ones(ids.shape, dtype=mx.int32)  # Gemma-3's asks for one; all attend
+            embedded = self.vlm.get_input_embeddings(ids, pixels, mask=mask, **inputs)
+            embeds = embedded.inputs_embeds[0]
         ends = list(accumulate(len(span.ids) for span in spans))
         return [
             embeds[..., end - len(span.ids) : end, :] for span, end in zip(spans, ends, strict=True)
         ]
+
+    def _deepstack_lazily(self, ids: mx.array, pixels: mx.array, grid: mx.array) -> mx.array:
+        """Qwen3-VL's embeddings with their deepstack features, as its
+        `get_input_embeddings` makes them -- the same tower call and mlx-vlm's own
+        `masked_scatter` -- but left lazy: that method evaluates the deepstack features
+        itself, which would run the whole tower in one step."""
+        import sys
+
+        tower = self.vlm.vision_tower
+        features, deep = tower(pixels.astype(tower.patch_embed.proj.weight.dtype), grid)
+        text = self.vlm.language_model.model.embed_tokens(ids)
+        images = mx.broadcast_to((ids == self.image_token_id)[..., None], text.shape)
+        module = sys.modules[type(self.vlm).__module__]  # mlx-vlm's Qwen3-VL module
+        embeds = module.masked_scatter(text, images, features)[0]
+        return self._with_deepstack(embeds, ids[0], deep)
 
     def _with_deepstack(self, embeds: mx.array, ids: mx.array, deep: Any) -> mx.array:
         """(1 + layers, n, hidden): the embeddings, then per deepstack layer what is

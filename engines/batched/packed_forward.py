@@ -23,7 +23,7 @@ from mlx_lm.models import llama, qwen2
 from mlx_lm.models.base import create_attention_mask
 
 from engines.cache.ragged_cache import RaggedKVCache, feed_rows
-from engines.model.mrope import MRopeModel, is_mrope_block, rotate
+from engines.model.mrope import MRopeModel, is_mrope_block, rotate, rotation
 from engines.platform.cpu_attention import attention_of
 
 _BLOCKS = (llama.TransformerBlock, qwen2.TransformerBlock)
@@ -55,10 +55,14 @@ def packed_logits(model: Any, parts: list[tuple[mx.array, list]]) -> list[mx.arr
     hidden = [inner.embed_tokens(inputs) for inputs, _ in parts]
     masks = [create_attention_mask(h, c[0]) for h, (_, c) in zip(hidden, parts, strict=True)]
     shapes = [h.shape for h in hidden]
+    turns = [None] * len(parts)
+    if isinstance(model, MRopeModel):  # each part's rows' 3-D positions, once a forward
+        rotary = inner.layers[0].self_attn.rotary_emb
+        turns = [rotation(rotary, c[0], h) for h, (_, c) in zip(hidden, parts, strict=True)]
     flat = mx.concatenate([h.reshape(-1, h.shape[-1]) for h in hidden])
     for index, layer in enumerate(inner.layers):
         caches = [cache[index] for _, cache in parts]
-        flat = _block(layer, flat, shapes, masks, caches)
+        flat = _block(layer, flat, shapes, masks, caches, turns)
     head = inner.embed_tokens.as_linear if model.args.tie_word_embeddings else model.lm_head
     logits, start = [], 0
     for batch, length, _ in shapes:
@@ -71,8 +75,11 @@ def packed_logits(model: Any, parts: list[tuple[mx.array, list]]) -> list[mx.arr
     return logits
 
 
-def _block(layer: Any, flat: mx.array, shapes: list, masks: list, caches: list) -> mx.array:
-    """One transformer block over every part's tokens (`TransformerBlock.__call__`)."""
+def _block(
+    layer: Any, flat: mx.array, shapes: list, masks: list, caches: list, turns: list
+) -> mx.array:
+    """One transformer block over every part's tokens (`TransformerBlock.__call__`);
+    `turns`: each part's `mrope.Rotation`, or None for RoPE at the cache's offset."""
     attention = layer.self_attn
     attend = attention_of(attention)  # what the architecture calls (head-parallel on a CPU)
     normed = layer.input_layernorm(flat)
@@ -82,7 +89,7 @@ def _block(layer: Any, flat: mx.array, shapes: list, masks: list, caches: list) 
         attention.v_proj(normed),
     )
     outputs, start = [], 0
-    for (batch, length, _), mask, cache in zip(shapes, masks, caches, strict=True):
+    for (batch, length, _), mask, cache, turn in zip(shapes, masks, caches, turns, strict=True):
         end = start + batch * length
         q, k, v = (
             _heads(x[start:end], batch, length, count)
@@ -92,8 +99,8 @@ def _block(layer: Any, flat: mx.array, shapes: list, masks: list, caches: list) 
                 (values, attention.n_kv_heads),
             )
         )
-        if hasattr(attention, "rotary_emb"):  # Qwen-VL's: each row's 3-D positions
-            q, k = rotate(attention, q, k, cache, flat)
+        if turn is not None:  # Qwen-VL's: each row's 3-D positions
+            q, k = rotate(attention, q, k, turn)
         else:
             q = attention.rope(q, offset=cache.offset)
             k = attention.rope(k, offset=cache.offset)

@@ -8,8 +8,9 @@ row's tokens are therefore a property of the prompt, fixed when it is rendered
 (`RowPositions`, made by `prompt_positions` from the images' grids), and a row's KV
 cache carries them (`RaggedKVCache.positions`, a single-sequence cache's
 `rope_positions`) through every path that moves a row -- the batch's joins and
-leaves, migration, prefill followers -- while the engines set them where a prompt's
-prefill runs (`attach`). A row without images is at its index, as in any text model.
+leaves, migration, prefill followers -- from where a sequence gets its first cache
+(`attach`, called by `starting_state`). A row without images is at its index, as in
+any text model.
 
 The layers, norm and head are mlx-vlm's own (no copy, nothing re-implemented): the
 forward here only gives them each row's position ids, as mlx-vlm's `generate` does,
@@ -73,7 +74,7 @@ def prompt_positions(images: Sequence) -> RowPositions | None:
 
 def attach(layers: list, row: int, positions: RowPositions | None) -> None:
     """Give row `row` of a sequence's (or the batch's) per-layer caches its prompt's
-    positions. Idempotent: the engines call it before each prefill chunk."""
+    positions, replacing any a cached prefix's entry brought from another prompt."""
     if positions is None:
         return
     for layer in layers:
@@ -110,17 +111,30 @@ def position_ids(cache: Any, batch: int, count: int) -> mx.array:
     return mx.array(np.stack(rows, axis=1).astype(np.int32))
 
 
-def rotate(attention: Any, q: mx.array, k: mx.array, cache: Any, like: mx.array) -> tuple:
-    """q and k (B, heads, L, dim) rotated at each row's positions, as mlx-vlm's Qwen-VL
-    attention rotates them under `MRopeBackbone` (cos/sin of the dtype of `like`, the
-    hidden states): for a forward that runs the blocks' parts itself (`packed_forward`)."""
-    positions = position_ids(cache, q.shape[0], q.shape[2])
-    rotary = attention.rotary_emb
-    if rotary.fused_apply:
-        return rotary.apply_rotary(q, k, positions, unsqueeze_dim=1)
-    cos, sin = rotary(like, positions)
+@dataclass(frozen=True)
+class Rotation:
+    """One forward's position ids (3, B, L), and mlx-vlm's cos/sin of them where its
+    fused kernel does not apply: made once per forward, as mlx-vlm's backbone makes
+    them, and handed to every layer."""
+
+    positions: mx.array
+    cos_sin: tuple[mx.array, mx.array] | None
+
+
+def rotation(rotary: Any, cache: Any, hidden: mx.array) -> Rotation:
+    """The `Rotation` of a forward over `hidden` (B, L, D) after each row's cached
+    tokens (`rotary`: the first layer's `rotary_emb`)."""
+    positions = position_ids(cache, hidden.shape[0], hidden.shape[1])
+    return Rotation(positions, None if rotary.fused_apply else rotary(hidden, positions))
+
+
+def rotate(attention: Any, q: mx.array, k: mx.array, turn: Rotation) -> tuple:
+    """q and k (B, heads, L, dim) rotated as mlx-vlm's Qwen-VL attention rotates them
+    given `turn`: for a forward that runs the blocks' parts itself (`packed_forward`)."""
+    if turn.cos_sin is None:
+        return attention.rotary_emb.apply_rotary(q, k, turn.positions, unsqueeze_dim=1)
     language = sys.modules[type(attention).__module__]
-    return language.apply_multimodal_rotary_pos_emb(q, k, cos, sin, unqueeze_dim=1)
+    return language.apply_multimodal_rotary_pos_emb(q, k, *turn.cos_sin, unqueeze_dim=1)
 
 
 def is_mrope_block(layer: Any) -> bool:
@@ -152,12 +166,9 @@ class MRopeBackbone(nn.Module):
             h = input_embeddings
         cache = cache if cache is not None else [None] * len(self.layers)
         mask = create_attention_mask(h, cache[0])
-        positions = position_ids(cache[0], h.shape[0], h.shape[1])
-        rotary = self.layers[0].self_attn.rotary_emb
-        # as mlx-vlm's own backbone: cos/sin once per forward, unless its kernel applies
-        embeddings = None if rotary.fused_apply else rotary(h, positions)
+        turn = rotation(self.layers[0].self_attn.rotary_emb, cache[0], h)
         for index, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):
-            h = layer(h, mask, layer_cache, positions, embeddings)
+            h = layer(h, mask, layer_cache, turn.positions, turn.cos_sin)
             if index < len(deepstack):  # what mlx-vlm adds at the image tokens' rows
                 h = h + deepstack[index]
         return h if self.norm is None else self.norm(h)
@@ -186,11 +197,6 @@ class MRopeModel(nn.Module):
     @property
     def layers(self) -> list:
         return self.model.layers
-
-    def make_cache(self) -> list:
-        from mlx_lm.models.cache import KVCache
-
-        return [KVCache() for _ in self.layers]
 
 
 def qwen_vl_text(vlm: Any) -> tuple[nn.Module, list]:

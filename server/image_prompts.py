@@ -68,7 +68,6 @@ class PromptImages:
         # earlier requests' images a stored conversation brings back (`adopt`): per
         # stand-in, its images in order, None where one no longer fits the limit
         self.earlier: dict[str, list[ImageInput | None]] = {}
-        self._adopted = 0  # how many of `images` (the first) are adopted ones
         self._expanded: list[ImageExpansion] = []
 
     @property
@@ -118,13 +117,13 @@ class PromptImages:
         for k, (sentinel, image) in enumerate(flat):
             self.earlier.setdefault(sentinel, []).append(image if k in keep else None)
         self.images[:0] = [flat[k][1] for k in sorted(keep)]
-        self._adopted = len(keep)
 
     def stored(self) -> tuple[tuple[str, tuple[ImageInput | None, ...]], ...]:
         """What a stored response keeps of the images, for `adopt`: each stand-in with
         its images in place (None: read as a placeholder from now on), the earlier
         ones' first, then this request's own."""
-        groups = [*self.earlier.items(), (self.sentinel, self.images[self._adopted :])]
+        adopted = sum(image is not None for group in self.earlier.values() for image in group)
+        groups = [*self.earlier.items(), (self.sentinel, self.images[adopted:])]
         return tuple(
             (sentinel, tuple(images))
             for sentinel, images in groups
@@ -134,7 +133,7 @@ class PromptImages:
     def as_parts(self, messages: list[dict]) -> list[dict]:
         """The messages with text content as typed parts, an image part where each
         sentinel was: the form vision models' chat templates read."""
-        converted, seen = [], dict.fromkeys(self.earlier, 0)
+        converted, seen = [], {}  # each earlier stand-in's occurrences so far
         for message in messages:
             content = message.get("content")
             if content is None or isinstance(content, str):

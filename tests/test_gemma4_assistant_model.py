@@ -25,16 +25,10 @@ from engines.drafting.gemma4_assistant_model import (
     is_gemma4_assistant_config,
     load_gemma4_assistant,
 )
+from engines.model.demo_vision import GEMMA4_ROPE
 
 WINDOW = 8
-ROPE = {
-    "full_attention": {
-        "partial_rotary_factor": 0.25,
-        "rope_theta": 1000000.0,
-        "rope_type": "proportional",
-    },
-    "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
-}
+ROPE = GEMMA4_ROPE
 TARGET = {
     "model_type": "gemma4_text",
     "hidden_size": 64,

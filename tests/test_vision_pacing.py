@@ -36,14 +36,34 @@ TOWERS = {
 PROMPT = "Once upon a time"
 
 
-def image_request(registry: ModelRegistry, rid: str, seed: int, max_tokens: int):
+def image_request(registry: ModelRegistry, rid: str, seed: int | tuple, max_tokens: int):
+    """A greedy request whose one user turn is the image of `seed` (or the images of
+    each seed in a tuple), then the prompt."""
     limits = ImageLimits()
     images = PromptImages(registry.target.vision, limits)
-    stand_in = images.add(image_from_data_url(data_url(png(seed)), limits, "image"), "image")
-    messages = [{"role": "user", "content": stand_in + PROMPT}]
+    stand_ins = [
+        images.add(image_from_data_url(data_url(png(one)), limits, "image"), "image")
+        for one in (seed if isinstance(seed, tuple) else (seed,))
+    ]
+    messages = [{"role": "user", "content": "".join(stand_ins) + PROMPT}]
     rendered = render_chat(registry.tokenizer, messages, images=images)
     located = images.locate(rendered.ids)
     return GenerationRequest(rid, tuple(rendered.ids), max_tokens, GREEDY, images=located)
+
+
+def count_tower_steps(monkeypatch) -> list[int]:
+    """Tower evaluations (`TowerStages.advance`) per engine step, counted into the
+    list's last entry: the caller appends a 0 before each step."""
+    from engines.model.vision import TowerStages
+
+    advanced, advance = [], TowerStages.advance
+
+    def counted_advance(self):
+        advanced[-1] += 1
+        return advance(self)
+
+    monkeypatch.setattr(TowerStages, "advance", counted_advance)
+    return advanced
 
 
 @pytest.mark.parametrize("family", sorted(TOWERS))
@@ -120,13 +140,11 @@ async def test_a_hidden_state_drafter_leaves_image_prompts_exact(tmp_path, build
     assert all(count > 0 for count in drafted), drafted  # it drafted for every one
 
 
-def test_a_step_runs_one_tower_layer_of_one_bounded_batch(tmp_path):
+def test_a_step_runs_one_tower_layer_of_one_bounded_batch(tmp_path, monkeypatch):
     """Two requests of two images each arrive together beside a decoding one, with
     --max-tower-pixels at one image: each image is its own tower batch, and no step
     runs more than one tower layer (before, each arriving row advanced its own tower
     in the same step, all its images at once)."""
-    from engines.model.vision import TowerStages
-
     model_dir = TOWERS["idefics3"](tmp_path / "vlm")
     registry = ModelRegistry.load(str(model_dir))
     vision = registry.target.vision
@@ -135,55 +153,34 @@ def test_a_step_runs_one_tower_layer_of_one_bounded_batch(tmp_path):
     registry.transfer(engine.name)
     first = image_request(registry, "first", 27, 40)
     pairs = {"two": (31, 32), "three": (33, 34)}
-    requests = [two_image_request(registry, rid, seeds, 8) for rid, seeds in pairs.items()]
+    requests = [image_request(registry, rid, seeds, 8) for rid, seeds in pairs.items()]
     vision.tower_pixels = requests[0].images[0].span.inputs["pixel_values"].size // 3
     texts = {"first": "", "two": "", "three": ""}
-    batches, advanced = [], []
-    stage, advance = vision.stage, TowerStages.advance
+    batches, stage = [], vision.stage
+    advanced = count_tower_steps(monkeypatch)
 
     def counted_stage(spans):
         batches.append(len(spans))
         return stage(spans)
 
-    def counted_advance(self):
-        advanced[-1] += 1
-        return advance(self)
-
     vision.stage = counted_stage
-    TowerStages.advance = counted_advance
-    try:
-        engine.admit(make_sequence(first, registry.tokenizer))
-        for _ in range(6):
-            advanced.append(0)
-            for output in engine.step().outputs:
-                texts[output.request_id] += output.text
-        for request in requests:
-            engine.admit(make_sequence(request, registry.tokenizer))
-        while engine.batch_size:
-            advanced.append(0)
-            for output in engine.step().outputs:
-                texts[output.request_id] += output.text
-    finally:
-        TowerStages.advance = advance
+    engine.admit(make_sequence(first, registry.tokenizer))
+    for _ in range(6):
+        advanced.append(0)
+        for output in engine.step().outputs:
+            texts[output.request_id] += output.text
+    for request in requests:
+        engine.admit(make_sequence(request, registry.tokenizer))
+    while engine.batch_size:
+        advanced.append(0)
+        for output in engine.step().outputs:
+            texts[output.request_id] += output.text
     assert batches == [1, 1, 1, 1, 1]  # the first request's image, then one per image
     assert max(advanced) == 1, advanced  # one tower layer (or merge) a step
     assert sum(advanced) == 5 * (LAYERS + 1)
     reference = mlx_vlm_reference(model_dir)
     assert texts["first"] == reference([png(27)], PROMPT, 40)
     assert all(texts[rid] for rid in pairs), texts  # served, images encoded apart
-
-
-def two_image_request(registry: ModelRegistry, rid: str, seeds: tuple, max_tokens: int):
-    limits = ImageLimits()
-    images = PromptImages(registry.target.vision, limits)
-    parts = [
-        images.add(image_from_data_url(data_url(png(seed)), limits, "image"), "image")
-        for seed in seeds
-    ]
-    messages = [{"role": "user", "content": "".join(parts) + PROMPT}]
-    rendered = render_chat(registry.tokenizer, messages, images=images)
-    located = images.locate(rendered.ids)
-    return GenerationRequest(rid, tuple(rendered.ids), max_tokens, GREEDY, images=located)
 
 
 def test_the_tower_bound_comes_from_the_serve_flag(tmp_path):
@@ -202,31 +199,19 @@ def test_the_tower_bound_comes_from_the_serve_flag(tmp_path):
         scheduler.stop()
 
 
-def test_alone_an_images_tower_also_runs_a_layer_a_step(tmp_path):
+def test_alone_an_images_tower_also_runs_a_layer_a_step(tmp_path, monkeypatch):
     """The single-stream engine stages the tower too: each step runs one layer, so a
     request arriving meanwhile waits for a layer, not the whole tower, before the
     scheduler batches it."""
-    from engines.model.vision import TowerStages
-
     model_dir = TOWERS["idefics3"](tmp_path / "vlm")
     registry = ModelRegistry.load(str(model_dir))
     engine = SpeculativeEngine(registry, SpecConfig(enable_pld=False), cost=COST)
     registry.transfer(engine.name)
     engine.admit(make_sequence(image_request(registry, "alone", 35, 12), registry.tokenizer))
-    advanced, advance = [], TowerStages.advance
-
-    def counted_advance(self):
-        advanced[-1] += 1
-        return advance(self)
-
-    TowerStages.advance = counted_advance
-    text = ""
-    try:
-        while engine.active is not None:
-            advanced.append(0)
-            text += "".join(output.text for output in engine.step().outputs)
-    finally:
-        TowerStages.advance = advance
+    advanced, text = count_tower_steps(monkeypatch), ""
+    while engine.active is not None:
+        advanced.append(0)
+        text += "".join(output.text for output in engine.step().outputs)
     assert sum(advanced) == LAYERS + 1 and max(advanced) == 1, advanced
     assert text == mlx_vlm_reference(model_dir)([png(35)], PROMPT, 12)
 

@@ -213,6 +213,15 @@ def build_gemma3(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     return out
 
 
+# the released Gemma-4 checkpoints' rotary settings per layer type
+GEMMA4_ROPE = {
+    "full_attention": {
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 1_000_000.0,
+        "rope_type": "proportional",
+    },
+    "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
+}
 GEMMA4_TOKENS = {
     "boi_token": "<|image>",
     "eoi_token": "<image|>",
@@ -250,14 +259,7 @@ def build_gemma4(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
         "tie_word_embeddings": True,
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6,
-        "rope_parameters": {
-            "full_attention": {
-                "partial_rotary_factor": 0.25,
-                "rope_theta": 1_000_000.0,
-                "rope_type": "proportional",
-            },
-            "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
-        },
+        "rope_parameters": GEMMA4_ROPE,
     }
     vision = {
         "model_type": "gemma4_vision",

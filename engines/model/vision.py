@@ -21,6 +21,7 @@ and say so.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -204,8 +205,6 @@ class VisionParts:
         `get_input_embeddings` makes them -- the same tower call and mlx-vlm's own
         `masked_scatter` -- but left lazy: that method evaluates the deepstack features
         itself, which would run the whole tower in one step."""
-        import sys
-
         tower = self.vlm.vision_tower
         features, deep = tower(pixels.astype(tower.patch_embed.proj.weight.dtype), grid)
         text = self.vlm.language_model.model.embed_tokens(ids)

@@ -205,7 +205,6 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
     images = PromptImages(info.vision, config.image_limits)
     take_images(body, images)
     images.adopt(previous.images if previous is not None else ())  # the earlier turns'
-
     report_omitted(request, images, "responses")
     conversation += normalize_input(body.input, opener=partial(sealer.open, scope))
     if not conversation:

@@ -69,7 +69,9 @@ def add_mtp_head(model, config: dict, kind: str, seed: int) -> dict:
                 mixer = layer.linear_attn.out_proj if layer.is_linear else layer.self_attn.o_proj
                 mixer.weight *= COPY_RESIDUAL_SCALE
                 layer.mlp.down_proj.weight *= COPY_RESIDUAL_SCALE
-        head.layers[0].update(text.layers[attention].parameters())
+        own = dict(tree_flatten(head.layers[0].parameters()))  # mlx-vlm's layer has more
+        source = tree_flatten(text.layers[attention].parameters())
+        head.layers[0].load_weights([(name, value) for name, value in source if name in own])
         size = config["hidden_size"]
         head.fc.weight = mx.concatenate([mx.eye(size), mx.zeros((size, size))], axis=1)
     elif kind != "random":

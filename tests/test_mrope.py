@@ -24,7 +24,7 @@ def qwen_dir(tmp_path_factory):
     return build_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_prompt_positions_equal_mlx_vlms_rope_index(family, tmp_path):
     registry = ModelRegistry.load(str(FAMILIES[family](tmp_path / family)))
     vision, limits = registry.target.vision, ImageLimits()

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
+import json
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -40,6 +43,8 @@ def mlx_vlm_reference(vlm_dir: Path):
     model, processor = load(str(vlm_dir))
     tokenizer = load_tokenizer(vlm_dir)
     stops = {*tokenizer.eos_token_ids, *getattr(processor, "additional_eos_token_ids", ())}
+    eos = json.loads((vlm_dir / "config.json").read_text()).get("eos_token_id", [])
+    stops |= {eos} if isinstance(eos, int) else set(eos)  # where mlx-vlm stops too
 
     def run(
         images: list[bytes], text: str, max_tokens: int, before: str = "", messages=None
@@ -52,15 +57,16 @@ def mlx_vlm_reference(vlm_dir: Path):
             messages, tokenize=False, add_generation_prompt=True
         )
         pil = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
-        result = generate(
-            model,
-            processor,
-            prompt,
-            image=pil or None,
-            max_tokens=max_tokens,
-            temperature=0.0,
-            verbose=False,
-        )
+        with token_by_token_recurrence():
+            result = generate(
+                model,
+                processor,
+                prompt,
+                image=pil or None,
+                max_tokens=max_tokens,
+                temperature=0.0,
+                verbose=False,
+            )
         # as the server's detokenizer writes those tokens (mlx-vlm's own text drops
         # incomplete byte sequences that a random model emits)
         detokenizer = tokenizer.detokenizer
@@ -71,6 +77,21 @@ def mlx_vlm_reference(vlm_dir: Path):
         return detokenizer.text
 
     return run
+
+
+@contextlib.contextmanager
+def token_by_token_recurrence():
+    """mlx-vlm's Qwen3.5 computing its gated-delta recurrence token by token, as it
+    does on Metal (and as mlx-lm does everywhere). Without Metal it prefills with a
+    chunked parallel scan instead, whose rounding depends on where its prefill chunks
+    begin -- a reference no server chunking its prompts differently could match."""
+    from mlx_vlm.models.qwen3_5 import gated_delta
+
+    def sequential(q, k, v, g, beta, state, mask=None, C=64):
+        return gated_delta.gated_delta_ops(q, k, v, g, beta, state, mask)
+
+    with mock.patch.object(gated_delta, "gated_delta_chunked", sequential):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -179,23 +200,27 @@ async def test_prefix_cache_serves_the_same_image_never_another(vlm_dir, vlm_ref
 
 async def test_a_first_image_after_a_text_conversation_reuses_the_text(vlm_dir, vlm_reference):
     """An agent's conversation was cached without images; its next turn adds a
-    screenshot: the text before the image is served from the text-only entry."""
+    screenshot: the agent's instructions before it are served from the text-only
+    entry (a hybrid model's from the checkpoint kept where its system prompt ends)."""
     scheduler = start_scheduler(vlm_dir)
     history = "The little dog ran to the park and played with a red ball all day. " * 4
+    system = {"role": "system", "content": history}
     try:
         async with make_client(scheduler) as client:
-            text_only = chat_body([], history, max_tokens=8)
+            text_only = chat_body([], "Hi", max_tokens=8)
+            text_only["messages"].insert(0, system)
             await client.post("/v1/chat/completions", json=text_only)
             body = chat_body([png(21)], max_tokens=8)
-            content = [{"type": "text", "text": history}, *body["messages"][0]["content"]]
-            body["messages"][0]["content"] = content
+            body["messages"].insert(0, system)
             reply = await client.post("/v1/chat/completions", json=body)
     finally:
         scheduler.stop()
     usage = reply.json()["usage"]
     cached = usage["prompt_tokens_details"]["cached_tokens"]
-    assert 40 < cached < usage["prompt_tokens"] - 5  # the history's tokens, up to the image
-    assert answer(reply) == vlm_reference([png(21)], PROMPT, 8, before=history)
+    assert 40 < cached < usage["prompt_tokens"] - 5  # the instructions' tokens, before the image
+    content = [{"type": "image"}, {"type": "text", "text": PROMPT}]
+    messages = [system, {"role": "user", "content": content}]
+    assert answer(reply) == vlm_reference([png(21)], PROMPT, 8, messages=messages)
 
 
 async def test_anthropic_and_responses_surfaces_carry_images(vlm_scheduler, vlm_reference):
@@ -564,3 +589,58 @@ async def test_small_chunks_never_split_an_image_that_attends_both_ways(tmp_path
     assert answer(alone) == reference([png(23)], PROMPT, 12)
     assert answer(together[0]) == reference([png(24), png(25)], PROMPT, 12)
     assert answer(together[1]) == reference([png(26)], PROMPT, 12)
+
+
+async def test_the_mtp_head_drafts_after_an_image_exactly(tmp_path):
+    """Qwen3.5's own MTP head drafts an image request's answer, alone and in the
+    batch beside another image and a text request: greedy output stays mlx-vlm's and
+    the head's drafts are accepted (its attention reads image rows at their indices,
+    which only changes how well it drafts)."""
+    from tests.vlm_models import build_qwen3_5_mtp
+
+    vlm_dir = build_qwen3_5_mtp(tmp_path / "qwen3_5_mtp")
+    vlm_reference = mlx_vlm_reference(vlm_dir)
+    scheduler = start_scheduler(vlm_dir, prefix_cache_entries=0)
+    try:
+        assert scheduler.registry.mtp is not None
+        async with make_client(scheduler) as client:
+            alone = await client.post(
+                "/v1/chat/completions", json=chat_body([png(17)], max_tokens=40)
+            )
+            together = await asyncio.gather(
+                client.post("/v1/chat/completions", json=chat_body([png(18)], max_tokens=40)),
+                client.post("/v1/chat/completions", json=chat_body([png(19)], max_tokens=40)),
+                client.post("/v1/chat/completions", json=chat_body([], max_tokens=40)),
+            )
+    finally:
+        scheduler.stop()
+    assert answer(alone) == vlm_reference([png(17)], PROMPT, 40)
+    assert [answer(r) for r in together] == [
+        vlm_reference([png(18)], PROMPT, 40),
+        vlm_reference([png(19)], PROMPT, 40),
+        vlm_reference([], PROMPT, 40),
+    ]
+    speculation = [r.json()["speculation"] for r in (alone, *together)]
+    assert all(s["accepted_tokens"] > 0 for s in speculation), speculation
+
+
+async def test_a_quantized_qwen3_5_moe_keeps_its_8_bit_gates(tmp_path):
+    """mlx-vlm's own 4-bit conversion of Qwen3.5-MoE keeps its routers' gates at 8
+    bits (per-layer settings in the config): the language half is quantized layer by
+    layer as the checkpoint says, loads, and reads an image as mlx-vlm does."""
+    from mlx_vlm.convert import convert
+
+    from tests.vlm_models import build_qwen3_5_moe
+
+    source = build_qwen3_5_moe(tmp_path / "source")
+    quantized = tmp_path / "quantized"
+    convert(str(source), str(quantized), quantize=True, q_group_size=32, q_bits=4)
+    settings = json.loads((quantized / "config.json").read_text())["quantization"]
+    assert settings["language_model.model.layers.0.mlp.gate"]["bits"] == 8
+    scheduler = start_scheduler(quantized)
+    try:
+        async with make_client(scheduler) as client:
+            reply = await client.post("/v1/chat/completions", json=chat_body([png(3)]))
+    finally:
+        scheduler.stop()
+    assert answer(reply) == mlx_vlm_reference(quantized)([png(3)], PROMPT, 12)

@@ -9,6 +9,7 @@ import pytest
 
 from engines.batched.engine import BatchedSpeculativeEngine
 from engines.batched.packed_forward import supports_packing
+from engines.model.demo_qwen_vl import build_qwen3_5 as build_qwen35
 from engines.model.demo_qwen_vl import build_qwen3_vl as build_qwen3
 from engines.model.registry import ModelRegistry
 from engines.request import GenerationRequest
@@ -32,6 +33,9 @@ TOWERS = {
     ),
     # deepstack features taken after its first block, as lazily as the rest
     "qwen3_vl": lambda out: build_qwen3(out, SHARED, vision={"depth": LAYERS}),
+    # Qwen3.5: the same tower without deepstack, beside gated-delta layers (seed 1:
+    # the first request's answer outlasts the late one's tower)
+    "qwen3_5": lambda out: build_qwen35(out, SHARED, seed=1, vision={"depth": LAYERS}),
 }
 PROMPT = "Once upon a time"
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from engines.model.demo_qwen_vl import build_qwen3_5 as build_qwen35
 from engines.model.demo_qwen_vl import build_qwen3_vl as build_qwen3
 from engines.model.demo_qwen_vl import build_qwen_vl
 from engines.model.demo_vision import build_gemma3 as build_gemma
@@ -63,6 +64,40 @@ def build_qwen3_vl_moe(out: Path) -> Path:
     return build_qwen3(out, SHARED, moe=True)
 
 
+def build_qwen3_5(out: Path) -> Path:
+    """The tests' tiny Qwen3.5: gated-delta layers, then gated attention rotating
+    image tokens at their 3-D positions (seed 4: an image's answer runs long, as the
+    migration test needs)."""
+    return build_qwen35(out, SHARED, seed=4)
+
+
+def build_qwen3_5_moe(out: Path) -> Path:
+    """The same with Qwen3.5-MoE's experts (Qwen3.6-35B-A3B's family; seed 1 for the
+    same reason)."""
+    return build_qwen35(out, SHARED, seed=1, moe=True)
+
+
+def build_qwen3_5_mtp(out: Path, head: str = "copy") -> Path:
+    """The tests' tiny Qwen3.5 with the MTP head its checkpoints ship (`mtp.*` weights
+    beside the model's, `mtp_num_hidden_layers` in its text config): with "copy", the
+    head reproduces the target's next-token path (`bench.hybrid_mtp.add_mtp_head`), so
+    most of its drafts are accepted."""
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import load_model
+
+    from bench.hybrid_mtp import add_mtp_head
+
+    build_qwen3_5(out)
+    config = json.loads((out / "config.json").read_text())
+    model = load_model(out)
+    flat = {**config["text_config"], "model_type": config["model_type"]}
+    weights = {**dict(tree_flatten(model.parameters())), **add_mtp_head(model, flat, head, 4)}
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
 FAMILIES = {
     "idefics3": build_idefics3,
     "gemma3": build_gemma3,
@@ -72,6 +107,8 @@ FAMILIES = {
     "qwen2_vl": build_qwen2_vl,
     "qwen3_vl": build_qwen3_vl,
     "qwen3_vl_moe": build_qwen3_vl_moe,
+    "qwen3_5": build_qwen3_5,
+    "qwen3_5_moe": build_qwen3_5_moe,
 }
 
 

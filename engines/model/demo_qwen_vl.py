@@ -207,3 +207,116 @@ def build_qwen3_vl(
     (out / "preprocessor_config.json").write_text(json.dumps(processor))
     (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
     return _save_qwen(out, module, config, seed)
+
+
+def build_qwen3_5(
+    out: Path,
+    tokenizer_dir: Path,
+    seed: int = 0,
+    moe: bool = False,
+    vision: dict | None = None,
+) -> Path:
+    """A 4-layer Qwen3.5 language model -- three gated-delta layers, then one gated
+    full-attention layer with interleaved 3-D rotary positions on a quarter of each
+    head (with `moe`, Qwen3.5-MoE's: 4 experts, 2 a token, and a shared one) -- and
+    Qwen3-VL's 2-block vision tower without deepstack, random weights, and the same
+    image processor as `build_qwen3_vl`'s: 40x50 images are a 2x3 grid of tokens."""
+    import importlib
+
+    family = "qwen3_5_moe" if moe else "qwen3_5"
+    module = importlib.import_module(f"mlx_vlm.models.{family}")
+    vocab, ids, eos = _qwen_tokenizer(out, tokenizer_dir)
+    _as_byte_level(out / "tokenizer.json")
+    text = {
+        "model_type": f"{family}_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_hidden_layers": 4,
+        "full_attention_interval": 4,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "rope_type": "default",
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+            "rope_theta": 10_000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "vocab_size": vocab,
+    }
+    if moe:
+        text |= {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1}
+        text |= {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+    vision = {
+        "model_type": family,
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "num_heads": 2,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [],
+        "in_channels": 3,
+        **(vision or {}),
+    }
+    config = {
+        "model_type": family,
+        "text_config": text,
+        "vision_config": vision,
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": eos,
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    processor = _image_processor("Qwen2VLImageProcessorFast", ([0.5] * 3, [0.5] * 3), 16, 64, 128)
+    (out / "preprocessor_config.json").write_text(json.dumps(processor))
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
+    return _save_qwen(out, module, config, seed)
+
+
+def _as_byte_level(path: Path) -> None:
+    """Rewrite a SentencePiece-style BPE `tokenizer.json` in GPT-2's byte-level
+    alphabet, in place: transformers reads a Qwen3.5 checkpoint's tokenizer as its
+    byte-level `Qwen3_5Tokenizer` whatever the files say, and that would drop every
+    space ("▁") and byte-fallback token ("<0x0A>") of the TinyStories vocabulary."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = bytes_to_unicode()
+    tokenizer = json.loads(path.read_text())
+    model = tokenizer["model"]
+
+    def spelled(piece: str) -> str:
+        return "".join(alphabet[b] for b in piece.replace("\u2581", " ").encode())
+
+    def is_byte(piece: str) -> bool:
+        return len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+
+    vocab = {spelled(p): i for p, i in model["vocab"].items() if not is_byte(p)}
+    for piece, index in model["vocab"].items():
+        if is_byte(piece):  # a byte no piece spells yet becomes that byte's letter
+            letter = alphabet[int(piece[3:5], 16)]
+            vocab[piece if letter in vocab else letter] = index
+    model["vocab"] = vocab
+    model["merges"] = [[spelled(a), spelled(b)] for a, b in model["merges"]]
+    model["byte_fallback"] = False
+    byte_level = {"add_prefix_space": False, "trim_offsets": False, "use_regex": True}
+    tokenizer["normalizer"] = None
+    tokenizer["pre_tokenizer"] = {"type": "ByteLevel", **byte_level}
+    tokenizer["decoder"] = {"type": "ByteLevel", **byte_level}  # as the stream decodes it
+    path.write_text(json.dumps(tokenizer))

@@ -13,9 +13,10 @@ Supported: the families whose language model uses plain 1-D positions and a caus
 mask, so the language half is exactly an mlx-lm model -- Idefics3 and SmolVLM (Llama),
 Gemma-3 (mlx-lm's Gemma-3, windowed layers included; mlx-vlm runs it causally too) --
 Qwen2-VL / Qwen2.5-VL / Qwen3-VL (and its MoE), whose 3-D rotary positions ride with
-each row's cache (`engines.model.mrope`), and Gemma-4, whose image tokens attend both
-ways (`engines.model.gemma4_images`). Other families load text-only through mlx-lm
-and say so.
+each row's cache (`engines.model.mrope`), Qwen3.5 / Qwen3.6 (mlx-lm's hybrid model
+rotating image rows as mlx-vlm does: `engines.model.qwen35_images`), and Gemma-4,
+whose image tokens attend both ways (`engines.model.gemma4_images`). Other families
+load text-only through mlx-lm and say so.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from mlx.utils import tree_flatten
 
 from engines.model.gemma4_images import gemma4_text_model
 from engines.model.mrope import qwen_vl_text
+from engines.model.qwen35_images import qwen3_5_text
 
 log = logging.getLogger(__name__)
 
@@ -293,10 +295,12 @@ TEXT_MODELS = {
     "qwen3_vl": qwen_vl_text,
     "qwen3_vl_moe": qwen_vl_text,
     "gemma4": gemma4_text_model,
+    "qwen3_5": qwen3_5_text,
+    "qwen3_5_moe": qwen3_5_text,
 }
 # families whose processor expands the image token itself (not a begin-of-image one)
 EXPANDS_IMAGE_TOKEN = ("gemma4",)
-MROPE_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+MROPE_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 SUPPORTED = tuple(TEXT_MODELS)
 
 
@@ -337,7 +341,9 @@ def load_vision_model(folder: str, config: dict) -> tuple[Any, Any, VisionParts]
             model,
             group_size=quantization["group_size"],
             bits=quantization["bits"],
-            class_predicate=lambda prefix, _: f"{prefix}.scales" in names,
+            class_predicate=lambda prefix, _: (
+                f"{prefix}.scales" in names and quantization.get(prefix, True)
+            ),  # a layer's own settings where mlx-vlm kept them (Qwen3.5-MoE's gates)
         )
     if weights:
         model.load_weights(weights)  # the same arrays: the language half is held once

@@ -644,3 +644,42 @@ async def test_a_quantized_qwen3_5_moe_keeps_its_8_bit_gates(tmp_path):
     finally:
         scheduler.stop()
     assert answer(reply) == mlx_vlm_reference(quantized)([png(3)], PROMPT, 12)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+async def test_a_feature_drafter_drafts_after_an_image_exactly(kind, tmp_path):
+    """A downloaded drafter reading the target's hidden states (DFlash's block,
+    EAGLE-3's chain) drafts an image request's answer on Qwen3.5, alone and in the
+    batch beside another image and a text request: its features come from forwards
+    that read the image, and greedy output stays mlx-vlm's. (Random drafters: their
+    drafts are rejected, which exercises every rollback of the hybrid layers.)"""
+    from bench.drafter_checkpoints import write_dflash, write_eagle3
+    from tests.vlm_models import build_qwen3_5
+
+    target = build_qwen3_5(tmp_path / "qwen3_5")
+    drafter = (write_dflash if kind == "dflash" else write_eagle3)(tmp_path / kind, target)
+    vlm_reference = mlx_vlm_reference(target)
+    quiet = {"enable_pld": False, "suffix_tokens_per_key": 0, "prefix_cache_entries": 0}
+    scheduler = start_scheduler(target, draft_model=str(drafter), draft_kind=kind, **quiet)
+    images = ([png(17)], [png(18)], [png(19)], [])
+    try:
+        async with make_client(scheduler) as client:
+            alone = await client.post(
+                "/v1/chat/completions", json=chat_body(images[0], max_tokens=30)
+            )
+            together = await asyncio.gather(
+                *(
+                    client.post("/v1/chat/completions", json=chat_body(im, max_tokens=30))
+                    for im in images[1:]
+                )
+            )
+    finally:
+        scheduler.stop()
+    replies = (alone, *together)
+    assert [answer(r) for r in replies] == [vlm_reference(im, PROMPT, 30) for im in images]
+    drafted = [
+        r.json()["speculation"]["by_method"].get(kind, {}).get("draft_tokens", 0) for r in replies
+    ]
+    # alone, and for the batch's image rows (a row whose drafts all fail may close its
+    # gate before it drafts: the other image row then drafted)
+    assert drafted[0] > 0 and drafted[1] + drafted[2] > 0, drafted

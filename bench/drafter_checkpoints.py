@@ -191,13 +191,16 @@ def write_assistant(out: Path, target_dir: Path, seed: int = 0, masked: bool = T
     )
 
     target = json.loads((Path(target_dir) / "config.json").read_text())
+    target = target.get("text_config", target)  # a vision checkpoint's language half
     vocab = target["vocab_size"]
     config = {
         "architectures": ["Gemma4AssistantForCausalLM"],
         "model_type": "gemma4_assistant",
         "backbone_hidden_size": target["hidden_size"],
         "use_ordered_embeddings": masked,
-        "num_centroids": 16,
+        # 16 centroids, or fewer where they must divide the vocabulary (a vision
+        # model's added tokens: 517 = 11 x 47)
+        "num_centroids": next(n for n in range(16, 0, -1) if vocab % n == 0),
         "centroid_intermediate_top_k": 4,
         "tie_word_embeddings": True,
         "block_size": 4,

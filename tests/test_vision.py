@@ -402,36 +402,6 @@ def test_the_sdks_send_images_that_reach_the_model(vlm_scheduler, vlm_reference)
     assert "image/png" in str(refused.value)  # the SDK shows what was wrong
 
 
-async def test_a_draft_model_speculates_after_an_image_exactly(tmp_path):
-    """Drafting (a text draft model, prompt lookup) runs on an image request's output
-    alone and in the batch; greedy output stays mlx-vlm's. (The draft is Idefics3's
-    Llama language half, perturbed.)"""
-    from tests.vlm_models import build_text_draft
-
-    vlm_dir = build_idefics3(tmp_path / "idefics3")
-    vlm_reference = mlx_vlm_reference(vlm_dir)
-    draft = build_text_draft(vlm_dir, tmp_path / "draft")
-    scheduler = start_scheduler(vlm_dir, draft_model=str(draft), prefix_cache_entries=0)
-    try:
-        async with make_client(scheduler) as client:
-            alone = await client.post(
-                "/v1/chat/completions", json=chat_body([png(17)], max_tokens=40)
-            )
-            together = await asyncio.gather(
-                client.post("/v1/chat/completions", json=chat_body([png(18)], max_tokens=40)),
-                client.post("/v1/chat/completions", json=chat_body([png(19)], max_tokens=40)),
-            )
-    finally:
-        scheduler.stop()
-    assert answer(alone) == vlm_reference([png(17)], PROMPT, 40)
-    assert [answer(r) for r in together] == [
-        vlm_reference([png(18)], PROMPT, 40),
-        vlm_reference([png(19)], PROMPT, 40),
-    ]
-    drafted = [r.json()["speculation"]["draft_tokens"] for r in (alone, *together)]
-    assert all(count > 0 for count in drafted), drafted
-
-
 @pytest.fixture(scope="module")
 def idefics3_dir(tmp_path_factory) -> Path:
     return build_idefics3(tmp_path_factory.mktemp("idefics3-one"))
@@ -589,3 +559,25 @@ async def test_small_chunks_never_split_an_image_that_attends_both_ways(tmp_path
     assert answer(alone) == reference([png(23)], PROMPT, 12)
     assert answer(together[0]) == reference([png(24), png(25)], PROMPT, 12)
     assert answer(together[1]) == reference([png(26)], PROMPT, 12)
+
+
+async def test_a_quantized_qwen3_5_moe_keeps_its_8_bit_gates(tmp_path):
+    """mlx-vlm's own 4-bit conversion of Qwen3.5-MoE keeps its routers' gates at 8
+    bits (per-layer settings in the config): the language half is quantized layer by
+    layer as the checkpoint says, loads, and reads an image as mlx-vlm does."""
+    from mlx_vlm.convert import convert
+
+    from tests.vlm_models import build_qwen3_5_moe
+
+    source = build_qwen3_5_moe(tmp_path / "source")
+    quantized = tmp_path / "quantized"
+    convert(str(source), str(quantized), quantize=True, q_group_size=32, q_bits=4)
+    settings = json.loads((quantized / "config.json").read_text())["quantization"]
+    assert settings["language_model.model.layers.0.mlp.gate"]["bits"] == 8
+    scheduler = start_scheduler(quantized)
+    try:
+        async with make_client(scheduler) as client:
+            reply = await client.post("/v1/chat/completions", json=chat_body([png(3)]))
+    finally:
+        scheduler.stop()
+    assert answer(reply) == mlx_vlm_reference(quantized)([png(3)], PROMPT, 12)

@@ -148,10 +148,8 @@ def build_qwen3_vl(
     (deepstack), random weights, and Qwen3-VL's image processor (16-pixel patches)
     between 64x64 and 128x128 pixels: the tests' 40x50 images are a 2x3 grid of
     image tokens."""
-    import importlib
 
     family = "qwen3_vl_moe" if moe else "qwen3_vl"
-    module = importlib.import_module(f"mlx_vlm.models.{family}")
     vocab, ids, eos = _qwen_tokenizer(out, tokenizer_dir)
     text = {
         "model_type": f"{family}_text",
@@ -175,38 +173,8 @@ def build_qwen3_vl(
     if moe:
         text |= {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1}
         text |= {"mlp_only_layers": [], "moe_intermediate_size": 32}
-    vision = {
-        "model_type": family,
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "out_hidden_size": 64,
-        "num_heads": 2,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "num_position_embeddings": 16,
-        "deepstack_visual_indexes": [0],
-        "in_channels": 3,
-        **(vision or {}),
-    }
-    config = {
-        "model_type": family,
-        "text_config": text,
-        "vision_config": vision,
-        "vocab_size": vocab,
-        "tie_word_embeddings": False,
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
-        "eos_token_id": eos,
-    }
-    (out / "config.json").write_text(json.dumps(config))
-    processor = _image_processor("Qwen2VLImageProcessorFast", ([0.5] * 3, [0.5] * 3), 16, 64, 128)
-    (out / "preprocessor_config.json").write_text(json.dumps(processor))
-    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
-    return _save_qwen(out, module, config, seed)
+    vision = {"deepstack_visual_indexes": [0], **(vision or {})}
+    return _save_qwen3(out, family, text, vision, ids, eos, seed)
 
 
 def build_qwen3_5(
@@ -221,10 +189,8 @@ def build_qwen3_5(
     head (with `moe`, Qwen3.5-MoE's: 4 experts, 2 a token, and a shared one) -- and
     Qwen3-VL's 2-block vision tower without deepstack, random weights, and the same
     image processor as `build_qwen3_vl`'s: 40x50 images are a 2x3 grid of tokens."""
-    import importlib
 
     family = "qwen3_5_moe" if moe else "qwen3_5"
-    module = importlib.import_module(f"mlx_vlm.models.{family}")
     vocab, ids, eos = _qwen_tokenizer(out, tokenizer_dir)
     _as_byte_level(out / "tokenizer.json")
     text = {
@@ -256,7 +222,20 @@ def build_qwen3_5(
     if moe:
         text |= {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1}
         text |= {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
-    vision = {
+    vision = {"deepstack_visual_indexes": [], **(vision or {})}
+    return _save_qwen3(out, family, text, vision, ids, eos, seed)
+
+
+def _save_qwen3(
+    out: Path, family: str, text: dict, vision: dict, ids: dict, eos: list, seed: int
+) -> Path:
+    """Save a Qwen3-VL-style model of `family` (its text config `text`, whose
+    `vocab_size` is the tokenizer's; `ids` and `eos` as `_qwen_tokenizer` gives them)
+    with a 2-block Qwen3-VL tower (changed by `vision`) and Qwen3-VL's image processor:
+    16-pixel patches merged 2x2, images between 64x64 and 128x128 pixels."""
+    import importlib
+
+    tower = {
         "model_type": family,
         "depth": 2,
         "hidden_size": 32,
@@ -267,15 +246,14 @@ def build_qwen3_5(
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
         "num_position_embeddings": 16,
-        "deepstack_visual_indexes": [],
         "in_channels": 3,
-        **(vision or {}),
+        **vision,
     }
     config = {
         "model_type": family,
         "text_config": text,
-        "vision_config": vision,
-        "vocab_size": vocab,
+        "vision_config": tower,
+        "vocab_size": text["vocab_size"],
         "tie_word_embeddings": False,
         "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"],
@@ -287,6 +265,7 @@ def build_qwen3_5(
     processor = _image_processor("Qwen2VLImageProcessorFast", ([0.5] * 3, [0.5] * 3), 16, 64, 128)
     (out / "preprocessor_config.json").write_text(json.dumps(processor))
     (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
+    module = importlib.import_module(f"mlx_vlm.models.{family}")
     return _save_qwen(out, module, config, seed)
 
 
@@ -294,7 +273,8 @@ def _as_byte_level(path: Path) -> None:
     """Rewrite a SentencePiece-style BPE `tokenizer.json` in GPT-2's byte-level
     alphabet, in place: transformers reads a Qwen3.5 checkpoint's tokenizer as its
     byte-level `Qwen3_5Tokenizer` whatever the files say, and that would drop every
-    space ("▁") and byte-fallback token ("<0x0A>") of the TinyStories vocabulary."""
+    space ("▁") and byte-fallback token ("<0x0A>") of the TinyStories vocabulary;
+    its pre-tokenizer and decoder say so too (mlx-lm picks its detokenizer by them)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     alphabet = bytes_to_unicode()

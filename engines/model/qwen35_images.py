@@ -3,11 +3,11 @@
 The language half is the mlx-lm model Tandem serves for Qwen3.5 text -- its
 gated-delta layers with the batch's ragged recurrent caches, speculation's rollback
 and the MTP head -- built over the very arrays mlx-vlm loaded. Its layers compute
-what mlx-vlm's compute, to the bit, with one exception that is not a difference of
-model: on a machine without Metal, mlx-vlm prefills the recurrence with a chunked
-parallel scan (64-token blocks) whose rounding depends on where its prefill chunks
-begin, where mlx-lm (and mlx-vlm on Metal) runs it token by token; the tests take
-mlx-vlm's token-by-token recurrence as the reference.
+what mlx-vlm's compute, to the bit (measured on CPU, layer by layer), with one
+exception that is not a difference of model: on a machine without Metal, mlx-vlm
+prefills the recurrence with a chunked parallel scan (64-token blocks) whose rounding
+depends on where its prefill chunks begin, where mlx-lm (and mlx-vlm on Metal) runs
+it token by token; the tests take mlx-vlm's token-by-token recurrence as the reference.
 
 Only the full-attention layers' rotation differs for a row with images: its tokens
 are rotated at their 3-D positions (`engines.model.mrope`, read from the row's

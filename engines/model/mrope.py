@@ -99,6 +99,13 @@ def position_ids(cache: Any, batch: int, count: int) -> mx.array:
     if cache is None:
         return mx.broadcast_to(mx.arange(count)[None, None], (3, batch, count))
     starts, positions = row_positions_of(cache)
+    return ids_of_rows(starts, positions, batch, count)
+
+
+def ids_of_rows(
+    starts: list[int], positions: list[RowPositions | None], batch: int, count: int
+) -> mx.array:
+    """`position_ids` from the rows `row_positions_of` read."""
     if all(p is None for p in positions):
         rows = mx.array(starts)[:, None] + mx.arange(count)[None]
         return mx.broadcast_to(rows[None], (3, batch, count))

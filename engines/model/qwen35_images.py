@@ -25,9 +25,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.qwen3_next import Qwen3NextAttention
+from mlx_lm.models.qwen3_5 import Qwen3_5TextModel
 
-from engines.model.mrope import position_ids, row_positions_of
+from engines.model.mrope import ids_of_rows, row_positions_of
 
 
 @dataclass(frozen=True)
@@ -39,20 +39,28 @@ class RowTurn:
     image_rows: mx.array | None
 
 
+@dataclass
+class TurnHolder:
+    """The forward's `RowTurn`, shared by the backbone (which sets it once around its
+    layers) and every full-attention layer's `RowRope` (which reads it). None: no row
+    has images. Owned by the engine thread, like the model."""
+
+    turn: RowTurn | None = None
+
+
 class RowRope(nn.Module):
     """A Qwen3.5 attention layer's rotation: mlx-lm's RoPE at each row's index, or,
-    for a forward with image rows (`turn`), mlx-vlm's interleaved 3-D rotation of
-    those rows. `turn` is set and cleared around one attention call, on the engine
-    thread (`ImageRowAttention`)."""
+    for a forward with image rows (`holder.turn`), mlx-vlm's interleaved 3-D rotation
+    of those rows."""
 
-    def __init__(self, text: nn.Module, rotary: nn.Module) -> None:
+    def __init__(self, text: nn.Module, rotary: nn.Module, holder: TurnHolder) -> None:
         super().__init__()
         self.text = text  # mlx-lm's RoPE (no parameters)
         self.rotary = rotary  # mlx-vlm's Qwen3_5RotaryEmbedding (no parameters)
-        self.turn: RowTurn | None = None
+        self.holder = holder
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
-        turn = self.turn
+        turn = self.holder.turn
         if turn is None:
             return self.text(x, offset=offset)
         # mlx-vlm rotates queries and keys alike, element by element: one at a time
@@ -64,29 +72,37 @@ class RowRope(nn.Module):
         return mx.where(turn.image_rows[:, None, None, None], rotated, text)
 
 
-class ImageRowAttention(Qwen3NextAttention):
-    """mlx-lm's Qwen3.5 attention, its rotation told which rows have images."""
+class ImageRowBackbone(Qwen3_5TextModel):
+    """mlx-lm's Qwen3.5 backbone that reads its rows' 3-D positions once a forward,
+    from its first full-attention layer's cache, for every `RowRope` (as mlx-vlm's
+    backbone makes its position ids once). `holder` is set at load."""
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        turn = image_turn(cache, x.shape[0], x.shape[1]) if cache is not None else None
-        if turn is None:
-            return super().__call__(x, mask, cache)
-        self.rope.turn = turn
+    holder: TurnHolder
+
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: Any = None,
+        input_embeddings: mx.array | None = None,
+    ) -> mx.array:
+        tokens = input_embeddings if input_embeddings is not None else inputs
+        if cache is not None and self.fa_idx is not None:
+            self.holder.turn = image_turn(cache[self.fa_idx], *tokens.shape[:2])
         try:
-            return super().__call__(x, mask, cache)
+            return super().__call__(inputs, cache, input_embeddings=input_embeddings)
         finally:
-            self.rope.turn = None
+            self.holder.turn = None
 
 
 def image_turn(cache: Any, batch: int, count: int) -> RowTurn | None:
     """The `RowTurn` of a forward writing `count` tokens after each row's cached ones,
     or None when no row has images."""
-    _, rows = row_positions_of(cache)
+    starts, rows = row_positions_of(cache)
     with_images = [p is not None for p in rows]
     if not any(with_images):
         return None
     image_rows = None if all(with_images) else mx.array(with_images)
-    return RowTurn(position_ids(cache, batch, count), image_rows)
+    return RowTurn(ids_of_rows(starts, rows, batch, count), image_rows)
 
 
 def qwen3_5_text(vlm: Any) -> tuple[nn.Module, list]:
@@ -98,13 +114,13 @@ def qwen3_5_text(vlm: Any) -> tuple[nn.Module, list]:
     model = module.Model(
         module.ModelArgs.from_dict({"model_type": config.model_type, "text_config": text})
     )
+    backbone, holder = model.language_model.model, TurnHolder()
+    backbone.__class__, backbone.holder = ImageRowBackbone, holder
     theirs = vlm.language_model.model.layers
-    for layer, their_layer in zip(model.language_model.model.layers, theirs, strict=True):
-        if layer.is_linear:
-            continue
-        attention = layer.self_attn
-        attention.__class__ = ImageRowAttention
-        attention.rope = RowRope(attention.rope, their_layer.self_attn.rotary_emb)
+    for layer, their_layer in zip(backbone.layers, theirs, strict=True):
+        if not layer.is_linear:
+            rope = layer.self_attn.rope
+            layer.self_attn.rope = RowRope(rope, their_layer.self_attn.rotary_emb, holder)
     weights = [
         (f"language_model.{name}", value)
         for name, value in tree_flatten(vlm.language_model.parameters())

@@ -186,3 +186,13 @@ def _locked(path: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def keys_from_file(path: str | None) -> list[str]:
+    """One key per line; blank lines and comment lines (`#`, indented or not) are not
+    keys. `tandem serve --api-key-file` and `tandem draft train --traffic-key-file`
+    both read keys here: a key's entries are found by the id its exact text gives."""
+    if not path:
+        return []
+    lines = (line.strip() for line in Path(path).read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]

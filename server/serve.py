@@ -28,6 +28,7 @@ from engines.model.registry import local_config
 from engines.model.vision import is_vision_config
 from scheduler import SchedulerState
 from scheduler.config import SchedulerConfig
+from scheduler.prefix_folder import keys_from_file
 from server.auth import check_keys
 from server.config import ServerConfig
 from server.connections import ConnectionLimits, fitting_open_file_limit, guarded_protocol
@@ -39,15 +40,6 @@ from server.logging_setup import uvicorn_log_config
 log = logging.getLogger("tandem")
 
 DEMO_MODEL_NAME = "tandem-demo"
-
-
-def keys_from_file(path: str | None) -> list[str]:
-    """One key per line; blank lines and comment lines (`#`, indented or not) are not
-    keys."""
-    if not path:
-        return []
-    lines = (line.strip() for line in Path(path).read_text().splitlines())
-    return [line for line in lines if line and not line.startswith("#")]
 
 
 def load_api_keys(args: argparse.Namespace) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ import re
 import sys
 from pathlib import Path
 
+from scheduler.prefix_folder import keys_from_file
 from training.corpus import Chunks, Record, default_corpus, read_records
 from training.stdlib_prompts import stdlib_prompts
 from training.trainer import Limits, Settings, Trainer, resumable
@@ -131,7 +132,8 @@ def main(argv: list[str]) -> None:
     print(f"target  {args.model} ({target.folder}), BLAS {describe_blas()}", file=sys.stderr)
     records = read_records(Path(source), target.tokenizer) if source else []
     if traffic:
-        records += served_traffic(traffic, target, keys_in(args.traffic_key_file))
+        keys = tuple(keys_from_file(args.traffic_key_file))  # as `tandem serve` reads them
+        records += served_traffic(traffic, target, keys)
     if args.prompts:
         records = stdlib_prompts(args.prompts, args.seed, target.tokenizer) + records
 
@@ -193,14 +195,6 @@ def traffic_folder(given: str | None) -> Path | None:
 
         return default_directory()
     return Path(given).expanduser()
-
-
-def keys_in(path: str | None) -> tuple[str, ...]:
-    """The keys of a key file (one per line, as `tandem serve --api-key-file` reads it)."""
-    if not path:
-        return ()
-    lines = (line.strip() for line in Path(path).read_text().splitlines())
-    return tuple(line for line in lines if line and not line.startswith("#"))
 
 
 def served_traffic(folder: Path, target, keys: tuple[str, ...]) -> list[Record]:

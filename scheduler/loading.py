@@ -38,6 +38,7 @@ from engines.sample.constraints import GrammarCompiler
 from engines.single.engine import SpeculativeEngine
 from engines.spec_config import SpecConfig
 from scheduler.config import SchedulerConfig
+from scheduler.template_traits import RENDERS_ALL, TemplateTraits, dropped, probe_template
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class ModelInfo:
     # token ids a request may hold: the model's embedding rows, fewer if the tokenizer has
     # fewer (MLX does not bounds-check an index: a larger id reads and writes out of bounds)
     vocab_size: int
+    template_traits: TemplateTraits  # what its chat template renders, probed at load
     # caches that cannot be cut back to any prefix: chats keep one at their system prompt
     prompt_checkpoints: bool = False
     # a vision-language model's image half (engines.model.vision.VisionParts; the server
@@ -143,6 +145,9 @@ def load_model(config: SchedulerConfig) -> Loaded:
     if rows_roll_back:  # the batched speculative engine starts lazily, warm already
         for model in models:
             warm_up(model)
+    traits = probe_template(registry.tokenizer)
+    if traits != RENDERS_ALL:
+        log.info("the chat template drops %s; rendering them as text", dropped(traits))
     info = ModelInfo(
         path=config.model,
         tokenizer=registry.tokenizer,
@@ -152,6 +157,7 @@ def load_model(config: SchedulerConfig) -> Loaded:
         ),
         grammar=GrammarCompiler(registry.tokenizer),
         vocab_size=min(len(registry.tokenizer), registry.target.vocab_size),
+        template_traits=traits,
         prompt_checkpoints=not cuts_back_anywhere(target),
         vision=registry.target.vision,
     )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from itertools import takewhile
 from typing import Any
 
+from scheduler.template_traits import TemplateTraits, probe_template
 from server.errors import ApiError, bad_request
 from server.safe_encoding import Escaper, encode_marked
 from server.tool_prompt import messages_for_template
@@ -109,6 +110,7 @@ def render_chat(
     checkpoint_system: bool = False,
     generation_prompt: bool = True,
     images: Any = None,
+    traits: TemplateTraits | None = None,
 ) -> RenderedChat:
     """Render normalised messages ({"role", "content", "tool_calls"?, ...}, with tool
     call arguments as objects) through the model's chat template and encode them.
@@ -118,7 +120,9 @@ def render_chat(
     with these system messages and tools shares end, as mlx_lm.server finds it: a
     model whose caches cannot be cut back keeps its cache there for the next one.
     With `images` of a vision model, the template reads typed content parts, an image
-    part where each image was (`server.image_prompts`)."""
+    part where each image was (`server.image_prompts`). `traits`: what the template
+    renders, as the loader probed it (`ModelInfo.template_traits`); probed now if not
+    given (tools and tests)."""
     if not tokenizer.has_chat_template:
         raise ApiError(
             400,
@@ -128,8 +132,11 @@ def render_chat(
             code="no_chat_template",
         )
     escaper = Escaper.for_tokenizer(tokenizer)
+    traits = traits if traits is not None else probe_template(tokenizer)
     try:
-        marked = apply_template(tokenizer, escaper, messages, tools, generation_prompt, images)
+        marked = apply_template(
+            tokenizer, traits, escaper, messages, tools, generation_prompt, images
+        )
     except Exception as exc:  # noqa: BLE001 - templates raise arbitrary errors on bad input
         folded = fold_late_system_turns(messages)
         if folded == messages:
@@ -143,12 +150,13 @@ def render_chat(
             checkpoint_system,
             generation_prompt,
             images,
+            traits,
         )
     text = escaper.unescape(marked)
     starts_in_reasoning = bool(think_start) and text.rstrip().endswith(think_start)
     ids = encode_marked(tokenizer, marked, escaper)
     shared = (
-        shared_system_end(tokenizer, messages, tools, escaper, ids, images)
+        shared_system_end(tokenizer, traits, messages, tools, escaper, ids, images)
         if checkpoint_system
         else 0
     )
@@ -158,6 +166,7 @@ def render_chat(
 
 def apply_template(
     tokenizer: Any,
+    traits: TemplateTraits,
     escaper: Escaper,
     messages: list[dict],
     tools: list | None,
@@ -167,7 +176,7 @@ def apply_template(
     """The template's text for escaped `messages` and `tools` (markers, not specials).
     What the template would drop (tools, earlier calls) is first written into the
     messages as text (`server.tool_prompt`): never silently lost."""
-    messages, tools = messages_for_template(tokenizer, messages, tools)
+    messages, tools = messages_for_template(traits, messages, tools)
     parts = images is not None and images.reads_images
     text = tokenizer.apply_chat_template(
         escaper.escape(images.as_parts(messages) if parts else messages),
@@ -203,6 +212,7 @@ def fold_late_system_turns(messages: list[dict]) -> list[dict]:
 
 def prefix_length(
     tokenizer: Any,
+    traits: TemplateTraits,
     escaper: Escaper,
     messages: list[dict],
     tools: list | None,
@@ -214,7 +224,7 @@ def prefix_length(
     begins with `messages` stops sharing the prompt's tokens (0 when the template
     refuses them)."""
     try:
-        probe = apply_template(tokenizer, escaper, messages, tools, False, images)
+        probe = apply_template(tokenizer, traits, escaper, messages, tools, False, images)
     except Exception:  # noqa: BLE001 - a template may insist on its own turn order
         return 0
     shared = 0
@@ -227,6 +237,7 @@ def prefix_length(
 
 def shared_system_end(
     tokenizer: Any,
+    traits: TemplateTraits,
     messages: list[dict],
     tools: list | None,
     escaper: Escaper,
@@ -240,5 +251,5 @@ def shared_system_end(
     if not system and not tools:
         return 0
     empty_turn = [*system, {"role": "user", "content": ""}]
-    shared = prefix_length(tokenizer, escaper, empty_turn, tools, ids, images)
+    shared = prefix_length(tokenizer, traits, escaper, empty_turn, tools, ids, images)
     return shared if 0 < shared < len(ids) - 1 else 0

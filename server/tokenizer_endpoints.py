@@ -12,12 +12,13 @@ in a worker thread (about 1 ms per thousand tokens: long text would pause stream
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from scheduler.template_traits import TemplateTraits
 from server.errors import bad_request
 from server.http import check_model, config_of, model_info_of, off_the_loop, parse_body
 from server.openai.chat import normalize_messages
@@ -28,6 +29,9 @@ from server.prompts import (
     render_chat,
 )
 from server.safe_encoding import encode_marked
+
+if TYPE_CHECKING:
+    from scheduler.loading import ModelInfo
 
 
 class TokenizeRequest(BaseModel):
@@ -89,29 +93,35 @@ def prompt_ids(tokenizer: Any, prompt: str, add_special_tokens: bool | None) -> 
     return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
 
-def chat_ids(tokenizer: Any, body: TokenizeRequest) -> list[int]:
+def chat_ids(tokenizer: Any, traits: TemplateTraits, body: TokenizeRequest) -> list[int]:
     """The messages through the model's chat template (with the chat endpoint's fallback
     for late system turns). With the generation prompt and no `add_special_tokens`,
     exactly the prompt /v1/chat/completions prefills."""
     messages = normalize_messages(body.messages or [])
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     rendered = render_chat(  # 400 without a template, or when it refuses the messages
-        tokenizer, messages, tools, generation_prompt=body.add_generation_prompt
+        tokenizer, messages, tools, generation_prompt=body.add_generation_prompt, traits=traits
     )
     if body.add_special_tokens is None:
         return rendered.ids
     return encode_marked(tokenizer, rendered.marked, rendered.escaper, body.add_special_tokens)
 
 
-def tokenized(tokenizer: Any, body: TokenizeRequest, context: int | None) -> JSONResponse:
+def tokenized(info: ModelInfo, body: TokenizeRequest) -> JSONResponse:
     """The answer, encoded and serialized (in a worker thread)."""
+    tokenizer = info.tokenizer
     if body.messages is not None:
-        ids = chat_ids(tokenizer, body)
+        ids = chat_ids(tokenizer, info.template_traits, body)
     else:
         ids = prompt_ids(tokenizer, body.prompt or "", body.add_special_tokens)
     strings = list(tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
     return JSONResponse(
-        {"count": len(ids), "max_model_len": context, "tokens": ids, "token_strs": strings}
+        {
+            "count": len(ids),
+            "max_model_len": info.context_length,
+            "tokens": ids,
+            "token_strs": strings,
+        }
     )
 
 
@@ -121,7 +131,7 @@ async def tokenize(request: Request) -> JSONResponse:
     check_model(config_of(request), body.model)
     refuse_unserved(body)
     info = model_info_of(request)
-    return await off_the_loop(tokenized, info.tokenizer, body, info.context_length)
+    return await off_the_loop(tokenized, info, body)
 
 
 def detokenized(tokenizer: Any, ids: list[int], vocab_size: int) -> JSONResponse:

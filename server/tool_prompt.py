@@ -3,9 +3,9 @@
 Many templates render `messages` only: SmolLM2's (the demo model's) and most minimal
 ones ignore the `tools` they are given, and an assistant turn's `tool_calls` with them.
 A model that never sees its tools cannot call them, yet the request would look served.
-So, once per template, `template_traits` renders small probes to learn what it drops
-(the tools, a system turn, an earlier call, a tool result), and `messages_for_template`
-writes what is dropped as text the model reads:
+So the loader probes the template once (`scheduler.template_traits`) to learn what it
+drops (the tools, a system turn, an earlier call, a tool result), and
+`messages_for_template` writes what is dropped as text the model reads:
 
 - the tools as a system block, merged into the system turn (as Ollama and llama.cpp
   do; into the first user turn where the template drops system turns too): each tool's
@@ -20,105 +20,19 @@ Templates that render tools are trusted with the rest and left alone.
 from __future__ import annotations
 
 import json
-import logging
-import weakref
-from dataclasses import dataclass
-from typing import Any
 
-log = logging.getLogger(__name__)
+from scheduler.template_traits import TemplateTraits
 
-PROBE_TOOL = "tandem_probe_tool"
-PROBE_TEXT = "tandem-probe-text-7d1c"
-PROBE_RESULT = "tandem-probe-result-3e9a"
 SYSTEM_ROLES = ("system", "developer")
 CALL_SHAPE = '{"name": "<tool name>", "arguments": {<arguments matching its schema>}}'
 
 
-@dataclass(frozen=True)
-class TemplateTraits:
-    """What a chat template renders of what it is given."""
-
-    tools: bool = True  # the `tools` argument
-    system: bool = True  # a system turn's content
-    calls: bool = True  # an assistant turn's `tool_calls`
-    results: bool = True  # a "tool" turn's content
-
-
-RENDERS_ALL = TemplateTraits()
-_traits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def template_traits(tokenizer: Any) -> TemplateTraits:
-    """The tokenizer's template probed once (one tokenizer per loaded model), then
-    remembered for as long as the tokenizer lives."""
-    try:
-        return _traits[tokenizer]
-    except KeyError:
-        pass
-    except TypeError:  # not weakly referenceable: probe every time
-        return probe_template(tokenizer)
-    traits = probe_template(tokenizer)
-    _traits[tokenizer] = traits
-    if traits != RENDERS_ALL:
-        log.info("the chat template drops %s; rendering them as text", dropped(traits))
-    return traits
-
-
-def dropped(traits: TemplateTraits) -> str:
-    names = ("tools", "system turns", "earlier tool calls", "tool results")
-    flags = (traits.tools, traits.system, traits.calls, traits.results)
-    return ", ".join(name for name, kept in zip(names, flags, strict=True) if not kept)
-
-
-def probe_template(tokenizer: Any) -> TemplateTraits:
-    """Render probes and look for their text: a template renders tools when a probe
-    tool's name is in its output (a template that changes its output for tools but
-    never names them still leaves the model unable to call them). A template that
-    renders tools is trusted with calls and results too; one that refuses even a plain
-    user turn is left alone."""
-    question = {"role": "user", "content": "Hi"}
-    if _render(tokenizer, [question]) is None:
-        return RENDERS_ALL
-    if PROBE_TOOL in (_render(tokenizer, [question], [probe_tool()]) or ""):
-        return RENDERS_ALL
-    system = _render(tokenizer, [{"role": "system", "content": PROBE_TEXT}, question])
-    call = {"id": "call_probe", "type": "function", "function": probe_call()}
-    answer = {"role": "assistant", "content": "", "tool_calls": [call]}
-    result = {"role": "tool", "content": PROBE_RESULT, "tool_call_id": "call_probe"}
-    round_trip = _render(tokenizer, [question, answer, result, {"role": "user", "content": "Ok"}])
-    return TemplateTraits(
-        tools=False,
-        system=PROBE_TEXT in (system or ""),
-        calls=PROBE_TOOL in (round_trip or ""),
-        results=PROBE_RESULT in (round_trip or ""),
-    )
-
-
-def probe_tool() -> dict:
-    parameters = {"type": "object", "properties": {"q": {"type": "string"}}}
-    return {"type": "function", "function": {"name": PROBE_TOOL, "parameters": parameters}}
-
-
-def probe_call() -> dict:
-    return {"name": PROBE_TOOL, "arguments": {"q": "x"}}
-
-
-def _render(tokenizer: Any, messages: list[dict], tools: list | None = None) -> str | None:
-    """The template's text, or None where it refuses these messages."""
-    try:
-        return tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False
-        )
-    except Exception:  # noqa: BLE001 - templates raise arbitrary errors on input they refuse
-        return None
-
-
 def messages_for_template(
-    tokenizer: Any, messages: list[dict], tools: list | None
+    traits: TemplateTraits, messages: list[dict], tools: list | None
 ) -> tuple[list[dict], list | None]:
-    """The messages and tools to give the template: unchanged where it renders tools;
-    otherwise what it would drop written into the messages, and no `tools`."""
-    traits = template_traits(tokenizer)
+    """The messages and tools to give the template: unchanged where it renders tools
+    (`traits`: what it renders, `scheduler.template_traits`); otherwise what it would
+    drop written into the messages, and no `tools`."""
     if traits.tools:
         return messages, tools
     messages = history_as_text(messages, traits)

@@ -13,10 +13,11 @@ import jsonschema_rs
 import pytest
 
 from engines.request import GenerationRequest, SamplingParams, SpeculationOverrides
+from scheduler.template_traits import TemplateTraits
 from server.output_parser import OutputMarkers
 from server.prompts import render_chat
 from server.structured import forced_tool_constraint
-from server.tool_prompt import TemplateTraits, history_as_text, template_traits
+from server.tool_prompt import history_as_text
 from tests.conftest import MODEL_NAME, make_client, start_scheduler
 from tests.forcing import TIME_SCHEMA, WEATHER_SCHEMA, forcing_factory
 
@@ -237,10 +238,10 @@ async def test_earlier_calls_and_results_reach_the_model(served):
 
 
 def test_the_probe_finds_what_each_template_drops(smollm2, bare, scheduler):
-    smol, own = (template_traits(s.model_info.tokenizer) for s in (smollm2, bare))
+    smol, own = (s.model_info.template_traits for s in (smollm2, bare))
     assert smol == TemplateTraits(tools=False, system=True, calls=False, results=True)
     assert own == TemplateTraits(tools=False, system=False, calls=False, results=False)
-    assert template_traits(scheduler.model_info.tokenizer) == TemplateTraits()  # the demo's
+    assert scheduler.model_info.template_traits == TemplateTraits()  # the demo's
 
 
 def test_a_result_written_as_text_joins_the_user_turn_beside_it():

@@ -192,7 +192,15 @@ def to_job(request: Request, body: MessagesRequest, model: str) -> MessageJob:
     images = PromptImages(info.vision, config.image_limits)
     take_images(body, images)
     report_omitted(request, images, "messages")
-    rendered = render_prompt(info.tokenizer, body, tools, think, info.prompt_checkpoints, images)
+    rendered = render_prompt(
+        info.tokenizer,
+        body,
+        tools,
+        think,
+        info.prompt_checkpoints,
+        images,
+        info.template_traits,
+    )
     prompt_images = images.locate(rendered.ids)
     caching = config.scheduler.prefix_cache_entries > 0
     max_tokens = effective_max_tokens(
@@ -295,6 +303,8 @@ def counted_tokens(request: Request, body: CountTokensRequest, think) -> int:
     info = model_info_of(request)
     images = PromptImages(info.vision, config_of(request).image_limits)
     take_images(body, images)
-    rendered = render_prompt(info.tokenizer, body, template_tools(body), think, images=images)
+    tools = template_tools(body)
+    traits = info.template_traits
+    rendered = render_prompt(info.tokenizer, body, tools, think, images=images, traits=traits)
     images.locate(rendered.ids)  # the same refusal as /v1/messages gives
     return len(rendered.ids)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from scheduler.template_traits import TemplateTraits, probe_template
 from server.anthropic.schemas import (
     InputMessage,
     MessagesPrompt,
@@ -244,6 +245,7 @@ def prompt_parts(body: MessagesPrompt) -> PromptParts:
 
 def breakpoint_positions(
     tokenizer: Any,
+    traits: TemplateTraits,
     parts: PromptParts,
     tools: list | None,
     rendered: RenderedChat,
@@ -255,7 +257,8 @@ def breakpoint_positions(
     for mark in parts.marks:
         count = parts.ends[mark + 1]
         prefix = parts.messages[:count] or [{"role": "user", "content": ""}]
-        shared = prefix_length(tokenizer, rendered.escaper, prefix, tools, rendered.ids, images)
+        escaper = rendered.escaper
+        shared = prefix_length(tokenizer, traits, escaper, prefix, tools, rendered.ids, images)
         if 0 < shared < len(rendered.ids):
             positions.add(shared)
     return tuple(sorted(positions))
@@ -268,13 +271,16 @@ def render_prompt(
     think: tuple[str, str] | None,
     checkpoint_system: bool = False,
     images: PromptImages | None = None,
+    traits: TemplateTraits | None = None,
 ) -> RenderedChat:
     """The prompt exactly as the model sees it: template render, then any prefill.
     `checkpoints` holds the cache breakpoints' positions (and, with
     `checkpoint_system`, where the system prompt ends). With `images` (taken out of
-    `body` first: `server.anthropic.images`), a vision model's template reads parts."""
+    `body` first: `server.anthropic.images`), a vision model's template reads parts.
+    `traits` as `render_chat` takes them."""
     parts = prompt_parts(body)
     think_start = think[0] if think else None
+    traits = traits if traits is not None else probe_template(tokenizer)
     rendered = render_chat(
         tokenizer,
         parts.messages,
@@ -282,9 +288,10 @@ def render_prompt(
         think_start,
         checkpoint_system=checkpoint_system,
         images=images,
+        traits=traits,
     )
     if parts.marks and rendered.escaper is not None:
-        marks = breakpoint_positions(tokenizer, parts, tools, rendered, images)
+        marks = breakpoint_positions(tokenizer, traits, parts, tools, rendered, images)
         rendered = replace(rendered, checkpoints=tuple(sorted({*rendered.checkpoints, *marks})))
     if not parts.prefill:
         return rendered

@@ -158,6 +158,7 @@ def to_job(request: Request, body: ChatCompletionRequest, model: str) -> ChatJob
         markers.think[0] if markers.think else None,
         checkpoint_system=info.prompt_checkpoints,
         images=images,
+        traits=info.template_traits,
     )
     prompt_images = images.locate(rendered.ids)
     requested = body.max_completion_tokens or body.max_tokens

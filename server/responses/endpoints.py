@@ -220,6 +220,7 @@ def to_job(request: Request, body: ResponsesRequest, model: str) -> ResponsesJob
         "input",
         checkpoint_system=info.prompt_checkpoints,
         images=images,
+        traits=info.template_traits,
     )
     prompt_images = images.locate(rendered.ids)
     max_tokens = effective_max_tokens(

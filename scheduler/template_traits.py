@@ -78,13 +78,3 @@ def _render(tokenizer: Any, messages: list[dict], tools: list | None = None) -> 
         )
     except Exception:  # noqa: BLE001 - templates raise arbitrary errors on input they refuse
         return None
-
-
-def _render(tokenizer: Any, messages: list[dict], tools: list | None = None) -> str | None:
-    """The template's text, or None where it refuses these messages."""
-    try:
-        return tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False
-        )
-    except Exception:  # noqa: BLE001 - templates raise arbitrary errors on input they refuse
-        return None

@@ -50,10 +50,12 @@ class Renderer:
     def __init__(self, model_dir: Path) -> None:
         from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+        from scheduler.template_traits import probe_template
         from server.output_parser import OutputMarkers
 
         self.tokenizer = load_tokenizer(Path(model_dir))
         self.markers = OutputMarkers.for_tokenizer(self.tokenizer)
+        self.traits = probe_template(self.tokenizer)  # as the server probes it at load
 
     def render(self, turn: Turn) -> Rendered:
         think = self.markers.think
@@ -63,7 +65,7 @@ class Renderer:
 
             body = MessagesRequest.model_validate(turn.body)
             tools = template_tools(body)
-            rendered = render_prompt(self.tokenizer, body, tools, think)
+            rendered = render_prompt(self.tokenizer, body, tools, think, traits=self.traits)
             messages = prompt_parts(body).messages
         else:
             from server.prompts import render_chat
@@ -74,7 +76,8 @@ class Renderer:
             body = ResponsesRequest.model_validate(turn.body)
             tools = tool_set(body.tools, body.tool_choice).chat_tools or None
             messages = with_instructions(body.instructions, normalize_input(body.input))
-            rendered = render_chat(self.tokenizer, messages, tools, think[0] if think else None)
+            think_start = think[0] if think else None
+            rendered = render_chat(self.tokenizer, messages, tools, think_start, traits=self.traits)
         ids = tuple(rendered.ids)
         return Rendered(ids, rendered.text, tools, rendered.starts_in_reasoning, messages)
 

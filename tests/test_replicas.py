@@ -296,8 +296,9 @@ def test_prometheus_labels_every_replica_and_the_dashboard_row_sums_them(cluster
         return {series["metric"].get("replica") for series in query(expr)}
 
     try:
-        for replica in cluster.replicas:  # something to count on each (a histogram's
-            # labelled series exists only once its replica has served a request)
+        # something to count on each replica: a histogram's labelled series exists only
+        # once its replica has served a request
+        for replica in cluster.replicas:
             assert post_chat(cluster, cluster.session_key(replica)).status_code == 200
         every = set(cluster.addresses)
         wait_until(

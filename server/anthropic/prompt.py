@@ -253,11 +253,10 @@ def breakpoint_positions(
 ) -> tuple[int, ...]:
     """Token positions where the marked prefixes end: the prompt's common prefix with
     the template rendered for the messages up to each mark (no generation prompt)."""
-    positions = set()
+    positions, escaper = set(), rendered.escaper
     for mark in parts.marks:
         count = parts.ends[mark + 1]
         prefix = parts.messages[:count] or [{"role": "user", "content": ""}]
-        escaper = rendered.escaper
         shared = prefix_length(tokenizer, traits, escaper, prefix, tools, rendered.ids, images)
         if 0 < shared < len(rendered.ids):
             positions.add(shared)
